@@ -1,0 +1,379 @@
+"""Pre-registration and run configuration: dataclasses, strict TOML loading, dotted overrides.
+
+An arm's TOML fixes every scientific choice. Loading refuses unknown keys and wrong
+types, naming the file and key; overrides (`--lr=5e-7`, `lr=5e-7`,
+`--optimizer.lr=5e-7`) are typed by the field they set, applied or refused, and
+returned so every receipt can record them. Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from align.exit_codes import ConfigError
+from align.receipts import hash_file, hash_json
+
+T = TypeVar("T")
+DTYPES = ("float32", "bfloat16", "float16")
+TRUNCATION_POLICIES = ("prompt_left_response_right",)
+DATA_FORMATS = ("argilla", "steppairs", "pairs", "ultrafeedback")
+
+
+@dataclass
+class FilterConfig:
+    """Pre-registered row filters; each reports how many rows it removed."""
+
+    exclude_status: list[str] = field(default_factory=list)
+    min_chosen_score: float | None = None
+    exclude_in_gsm8k_train: bool = False
+
+
+@dataclass
+class DataConfig:
+    """Where an arm's pairs come from, how they are cut and split, and how many are expected."""
+
+    format: str = "pairs"
+    files: list[str] = field(default_factory=list)
+    seq_len: int = 512
+    truncation: str = "prompt_left_response_right"
+    held_fraction: float = 0.1
+    split_seed: int = 0
+    min_pairs: int = 1
+    expected_train_pairs: int | None = None
+    expected_held_pairs: int | None = None
+    filters: FilterConfig = field(default_factory=FilterConfig)
+
+
+@dataclass
+class ModelConfig:
+    """The training forward path: dtype and attention backend of the policy."""
+
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class RefConfig:
+    """The forward path that builds the reference log-prob cache."""
+
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    batch_size: int = 16
+
+
+@dataclass
+class DpoConfig:
+    beta: float = 0.1
+    loss: str = "sigmoid"
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class BatchConfig:
+    """Batch topology: world_size x micro_batch x grad_accum must equal global_batch."""
+
+    world_size: int = 1
+    micro_batch: int = 1
+    grad_accum: int = 1
+    global_batch: int = 1
+    epochs: int = 1
+    seed: int = 0
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int = 32
+
+
+@dataclass
+class RunConfig:
+    """Where this run reads and writes; not a scientific choice, so overrides are expected."""
+
+    results_dir: str = "results"
+    base_model: str = "resources/tiny/base"
+    sft_checkpoint: str = ""
+    device: str = "cpu"
+    threads: int = 2
+
+
+@dataclass
+class ArmConfig:
+    """One arm's pre-registration (config/arms/<arm>.toml)."""
+
+    arm: str = ""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+@dataclass
+class SftDataConfig:
+    files: list[str] = field(default_factory=list)
+    seq_len: int = 512
+    held_fraction: float = 0.1
+    split_seed: int = 0
+
+
+@dataclass
+class SftGateConfig:
+    """Section-11 quality gate: held-out NLL ceiling and greedy-generation sanity."""
+
+    max_held_nll: float = 2.0
+    generation_prompts: int = 8
+    max_new_tokens: int = 32
+    min_terminated_fraction: float = 1.0
+
+
+@dataclass
+class SftConfig:
+    """The SFT pre-registration (config/sft.toml)."""
+
+    data: SftDataConfig = field(default_factory=SftDataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    gate: SftGateConfig = field(default_factory=SftGateConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+@dataclass
+class TinyModelSpec:
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 256
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+
+
+@dataclass
+class TinyConfig:
+    """The embedded tiny default: seeded data, tokenizer and random base model."""
+
+    seed: int = 0
+    out_dir: str = "resources/tiny"
+    n_argilla: int = 700
+    n_steppairs: int = 700
+    n_sft: int = 1500
+    vocab_size: int = 384
+    model: TinyModelSpec = field(default_factory=TinyModelSpec)
+
+
+@dataclass
+class Loaded(Generic[T]):
+    """A loaded config with its provenance: source file, its hash, applied overrides."""
+
+    cfg: T
+    source: Path
+    source_hash: str
+    overrides: dict[str, Any]
+
+    @property
+    def config_hash(self) -> str:
+        return hash_json(to_dict(self.cfg))
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def load_config(path: str | Path, cls: type[T], overrides: list[str] | None = None) -> Loaded[T]:
+    """Load `path` into `cls`, refuse unknown keys and wrong types, then apply overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{path}: not valid TOML ({err})") from err
+    cfg = _build(cls, raw, where=str(path), prefix="")
+    applied = apply_overrides(cfg, overrides or [], where=str(path))
+    validate(cfg, where=str(path))
+    return Loaded(cfg=cfg, source=path, source_hash=hash_file(path), overrides=applied)
+
+
+def _build(cls: type, raw: dict[str, Any], where: str, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise ConfigError(
+                f"{where}: unknown key {prefix + key!r} (known in this section: {', '.join(sorted(names))})"
+            )
+    kwargs = {}
+    for key, value in raw.items():
+        hint = hints[key]
+        dotted = prefix + key
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: key {dotted!r} expected a table, found {value!r}")
+            kwargs[key] = _build(hint, value, where, dotted + ".")
+        else:
+            kwargs[key] = _check_type(hint, value, where, dotted)
+    return cls(**kwargs)
+
+
+def _check_type(hint: Any, value: Any, where: str, dotted: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        if value is None:
+            return None
+        return _check_type(_non_none(args), value, where, dotted)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: key {dotted!r} expected a list, found {value!r}")
+        return [_check_type(args[0], v, where, f"{dotted}[{i}]") for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"{where}: key {dotted!r} expected {hint.__name__}, found bool {value!r}")
+    if not isinstance(value, hint):
+        raise ConfigError(
+            f"{where}: key {dotted!r} expected {hint.__name__}, found {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def _non_none(union_args: tuple) -> Any:
+    """The one non-None member of an `X | None` annotation."""
+    return next(a for a in union_args if a is not type(None))
+
+
+def leaf_paths(cls: type, prefix: str = "") -> dict[str, Any]:
+    """Every settable dotted key of `cls` with its type hint."""
+    out: dict[str, Any] = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            out.update(leaf_paths(hint, f"{prefix}{name}."))
+        else:
+            out[prefix + name] = hint
+    return out
+
+
+def resolve_key(cls: type, key: str, where: str) -> tuple[str, Any]:
+    """Map `lr` or `optimizer.lr` to the one dotted key it names; refuse unknown or ambiguous."""
+    leaves = leaf_paths(cls)
+    if key in leaves:
+        return key, leaves[key]
+    matches = [k for k in leaves if k.endswith("." + key)]
+    if len(matches) == 1:
+        return matches[0], leaves[matches[0]]
+    if not matches:
+        raise ConfigError(f"{where}: override key {key!r} is not a config key")
+    raise ConfigError(f"{where}: override key {key!r} is ambiguous: {', '.join(sorted(matches))}")
+
+
+def parse_override(token: str, where: str) -> tuple[str, str]:
+    """Split `--k=v` or `k=v`; a bare word (`lr`, `--lr`, `5e-7`) is refused."""
+    body = token[2:] if token.startswith("--") else token
+    key, sep, value = body.partition("=")
+    if not sep or not key:
+        raise ConfigError(
+            f"{where}: argument {token!r} is not an override; write --key=value (e.g. --lr=5e-7)"
+        )
+    return key, value
+
+
+def _coerce(hint: Any, text: str, key: str, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        if text.lower() in ("none", "null"):
+            return None
+        return _coerce(_non_none(typing.get_args(hint)), text, key, where)
+    try:
+        if hint is str:
+            return text
+        if hint is bool:
+            if text.lower() not in ("true", "false"):
+                raise ValueError("expected true or false")
+            return text.lower() == "true"
+        if hint is int:
+            return int(text)
+        if hint is float:
+            return float(text)
+        parsed = tomllib.loads(f"v = {text}")["v"]
+    except (ValueError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError(
+            f"{where}: override {key}={text!r} does not parse as {hint} ({err})"
+        ) from err
+    return _check_type(hint, parsed, where, key)
+
+
+def apply_overrides(cfg: Any, tokens: list[str], where: str) -> dict[str, Any]:
+    """Apply each override to `cfg` in place; return {dotted_key: value} of what was applied."""
+    applied: dict[str, Any] = {}
+    for token in tokens:
+        key, text = parse_override(token, where)
+        dotted, hint = resolve_key(type(cfg), key, where)
+        value = _coerce(hint, text, dotted, where)
+        *parents, leaf = dotted.split(".")
+        target = cfg
+        for part in parents:
+            target = getattr(target, part)
+        setattr(target, leaf, value)
+        applied[dotted] = value
+    return applied
+
+
+def validate(cfg: Any, where: str) -> None:
+    """Cross-field checks that no type annotation expresses."""
+    for dotted, value in _walk(cfg):
+        leaf = dotted.rsplit(".", 1)[-1]
+        if leaf == "dtype" and value not in DTYPES:
+            raise ConfigError(f"{where}: key {dotted!r} expected one of {DTYPES}, found {value!r}")
+    if isinstance(cfg, ArmConfig):
+        if not cfg.arm:
+            raise ConfigError(f"{where}: key 'arm' is required")
+        if cfg.data.format not in DATA_FORMATS:
+            raise ConfigError(
+                f"{where}: key 'data.format' expected one of {DATA_FORMATS}, found {cfg.data.format!r}"
+            )
+        if cfg.data.truncation not in TRUNCATION_POLICIES:
+            raise ConfigError(
+                f"{where}: key 'data.truncation' expected one of {TRUNCATION_POLICIES}, "
+                f"found {cfg.data.truncation!r}"
+            )
+    batch = getattr(cfg, "batch", None)
+    if batch is not None:
+        product = batch.world_size * batch.micro_batch * batch.grad_accum
+        if product != batch.global_batch:
+            raise ConfigError(
+                f"{where}: batch topology world_size x micro_batch x grad_accum = "
+                f"{batch.world_size} x {batch.micro_batch} x {batch.grad_accum} = {product}, "
+                f"expected global_batch {batch.global_batch}"
+            )
+
+
+def _walk(obj: Any, prefix: str = ""):
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _walk(value, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, value

@@ -1,0 +1,1 @@
+"""Preference and SFT data: raw formats, filters, tokenization, split, shards, loader."""

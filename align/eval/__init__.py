@@ -1,0 +1,1 @@
+"""Held-out evaluation: preference accuracy with Wilson intervals, paired comparison."""

@@ -1,0 +1,1 @@
+"""Preference and likelihood objectives."""

@@ -1,0 +1,196 @@
+"""The Mistral decoder-only language model, numerically matching transformers' Mistral.
+
+Pre-norm decoder layers (RMSNorm -> grouped-query self-attention with rotary
+embeddings -> residual -> RMSNorm -> SwiGLU MLP -> residual), a final RMSNorm and
+an lm_head optionally tied to the token embedding. Module names are this
+package's own; checkpoint.py maps them to and from HF's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from align.model.attention import attention, select_attn_implementation
+from align.model.hf_config import MistralConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation computed in float32, scaled by a learned weight."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Grouped-query self-attention with rotary position embeddings."""
+
+    def __init__(self, config: MistralConfig, attn_implementation: str):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.attn_implementation = attn_implementation
+        hidden = config.hidden_size
+        q_width = self.num_heads * self.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        self.q = nn.Linear(hidden, q_width, bias=False)
+        self.k = nn.Linear(hidden, kv_width, bias=False)
+        self.v = nn.Linear(hidden, kv_width, bias=False)
+        self.o = nn.Linear(q_width, hidden, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q = self.q(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = attention(q, k, v, mask, self.attn_implementation)
+        return self.o(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm transformer block."""
+
+    def __init__(self, config: MistralConfig, attn_implementation: str):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = SelfAttention(config, attn_implementation)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class NmoMistralForCausalLM(nn.Module):
+    """Mistral causal language model: token ids -> next-token logits."""
+
+    def __init__(self, config: MistralConfig, attn_implementation: str = "sdpa"):
+        super().__init__()
+        self.config = config
+        self.attn_implementation = select_attn_implementation(
+            attn_implementation, torch.get_default_device()
+        )
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, self.attn_implementation) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with lm_head when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def num_parameters(self) -> int:
+        """Number of distinct parameters (a tied matrix counts once)."""
+        return sum(parameter.numel() for parameter in self.parameters())
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """Logits [B, T, V], or the final normed hidden states [B, T, H] if `return_hidden`.
+
+        `attention_mask` is [B, T], 1 for real tokens and 0 for right padding.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        x = self.embed(input_ids)
+        rope = rope_cos_sin(self.config, input_ids.shape[1], x.dtype, x.device)
+        mask = build_attention_mask(
+            attention_mask, input_ids.shape, self.config.sliding_window, input_ids.device
+        )
+        for layer in self.layers:
+            x = layer(x, rope, mask)
+        hidden = self.norm(x)
+        return hidden if return_hidden else self.lm_head(hidden)
+
+
+def rope_cos_sin(
+    config: MistralConfig, length: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, head_dim] for positions 0..T-1, computed in float32 then cast."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    freqs = torch.arange(length, device=device).float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate [B, H, T, D] by position, rotate-half convention (as HF Mistral)."""
+    cos, sin = rope
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+def build_attention_mask(
+    attention_mask: torch.Tensor | None,
+    shape: torch.Size,
+    sliding_window: int | None,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Boolean [B, 1, T, T] mask (True = attend), or None when plain causal attention suffices.
+
+    A query at position i attends to real keys j with i - sliding_window < j <= i.
+    """
+    batch, length = shape
+    window_active = sliding_window is not None and sliding_window < length
+    if attention_mask is not None:
+        if attention_mask.shape != shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(shape)}"
+            )
+        key_is_real = attention_mask.bool()
+        padded, left_padded = torch.stack(
+            [~key_is_real.all(), (key_is_real[:, 1:] > key_is_real[:, :-1]).any()]
+        ).tolist()
+        if left_padded:
+            raise ValueError("attention_mask must be right-padded (no real token after padding)")
+        if not padded:
+            attention_mask = None
+    if attention_mask is None and not window_active:
+        return None
+    query = torch.arange(length, device=device)[:, None]
+    key = torch.arange(length, device=device)[None, :]
+    allowed = key <= query
+    if window_active:
+        allowed = allowed & (key > query - sliding_window)
+    if attention_mask is None:
+        return allowed.expand(batch, 1, length, length)
+    # A padded query always sees itself, so no row is fully masked (which would give NaN).
+    key_ok = key_is_real[:, None, None, :] | (key == query)
+    return allowed & key_ok

@@ -1,0 +1,217 @@
+"""Tokenizer files of a checkpoint: training the default byte-level BPE, loading, hashing.
+
+Owns `tokenizer.json` and `tokenizer_config.json` in a checkpoint directory and the
+special-token ids every other stage reads through `AlignTokenizer`. This module never
+imports torch, so data and gate stages can use it cheaply.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from align.receipts import atomic_path, hash_files
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+UNK_TOKEN = "<unk>"
+BOS_TOKEN = "<s>"
+EOS_TOKEN = "</s>"
+PAD_TOKEN = "<pad>"
+SPECIAL_TOKENS = (UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
+BYTE_ALPHABET_SIZE = 256
+DEFAULT_MODEL_MAX_LENGTH = 2048
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int,
+    out_dir: str | os.PathLike,
+    *,
+    model_max_length: int = DEFAULT_MODEL_MAX_LENGTH,
+) -> Path:
+    """Train a byte-level BPE on `texts`, write its two files into `out_dir`, return `out_dir`.
+
+    Special tokens get ids 0..3 in the order unk, bos, eos, pad. The same texts give a
+    byte-identical `tokenizer.json`.
+    """
+    minimum = len(SPECIAL_TOKENS) + BYTE_ALPHABET_SIZE
+    if vocab_size < minimum:
+        raise ValueError(
+            f"vocab_size must be at least {minimum} (bytes + special tokens), got {vocab_size}"
+        )
+    tokenizer = _untrained_byte_level_bpe()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    out = Path(out_dir)
+    _write_text_atomic(out / TOKENIZER_FILE, tokenizer.to_str(pretty=True) + "\n")
+    config_text = json.dumps(default_tokenizer_config(model_max_length), indent=2, sort_keys=True)
+    _write_text_atomic(out / CONFIG_FILE, config_text + "\n")
+    return out
+
+
+def default_tokenizer_config(model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> dict[str, Any]:
+    """The `tokenizer_config.json` written beside a trained tokenizer; it has no chat template."""
+    return {
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": UNK_TOKEN,
+        "model_max_length": model_max_length,
+        # Lets transformers load the same files; without it decode would rewrite " ." to ".".
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+def _untrained_byte_level_bpe() -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
+    # Splitting digits one by one lets a small model see every number as its digits.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+class AlignTokenizer:
+    """A `tokenizers.Tokenizer` with the checkpoint's special-token ids resolved once."""
+
+    def __init__(
+        self,
+        backend: Tokenizer,
+        config: Mapping[str, Any],
+        chat_template: str | None = None,
+    ):
+        self.backend = backend
+        self._chat_template = chat_template
+        self._model_max_length = config.get("model_max_length")
+        self._bos_id = self._required_special_id(config, "bos_token")
+        self._eos_id = self._required_special_id(config, "eos_token")
+        pad_token = special_token_content(config.get("pad_token"))
+        # HF convention: a model without a pad token pads with eos (masked out anyway).
+        self._pad_id = self._special_id(pad_token, "pad_token") if pad_token else self._eos_id
+
+    def _required_special_id(self, config: Mapping[str, Any], key: str) -> int:
+        token = special_token_content(config.get(key))
+        if not token:
+            raise ValueError(f"{CONFIG_FILE} has no {key}")
+        return self._special_id(token, key)
+
+    def _special_id(self, token: str, key: str) -> int:
+        token_id = self.backend.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"special token {token!r} ({key}) is not in the tokenizer vocabulary")
+        return token_id
+
+    @property
+    def bos_id(self) -> int:
+        return self._bos_id
+
+    @property
+    def eos_id(self) -> int:
+        return self._eos_id
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad_id
+
+    @property
+    def pad_is_eos(self) -> bool:
+        return self._pad_id == self._eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @property
+    def model_max_length(self) -> int | None:
+        return self._model_max_length
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with no special tokens added."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text, with no special tokens added."""
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of `ids`, special tokens dropped."""
+        return self.backend.decode(list(ids), skip_special_tokens=True)
+
+
+def special_token_content(value: Any) -> str | None:
+    """A special token as written in `tokenizer_config.json`: a string, or HF's dict form."""
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value
+
+
+def load_tokenizer(checkpoint_dir: str | os.PathLike) -> AlignTokenizer:
+    """Load the tokenizer of a checkpoint directory (ours or an HF one)."""
+    directory = Path(checkpoint_dir)
+    tokenizer_path = _existing_file(directory / TOKENIZER_FILE)
+    config_path = _existing_file(directory / CONFIG_FILE)
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    backend = Tokenizer.from_file(str(tokenizer_path))
+    return AlignTokenizer(backend, config, chat_template=_chat_template(directory, config))
+
+
+def _existing_file(path: Path) -> Path:
+    if not path.is_file():
+        raise FileNotFoundError(errno.ENOENT, "tokenizer file missing", str(path))
+    return path
+
+
+def _chat_template(directory: Path, config: Mapping[str, Any]) -> str | None:
+    # Newer transformers save the template as its own file, which wins over the config key.
+    template_file = directory / CHAT_TEMPLATE_FILE
+    if template_file.is_file():
+        return template_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        return named.get("default")
+    return template
+
+
+def tokenizer_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
+    """The files that define a checkpoint's tokenization; the chat template file only if present."""
+    directory = Path(checkpoint_dir)
+    files = [directory / TOKENIZER_FILE, directory / CONFIG_FILE]
+    template_file = directory / CHAT_TEMPLATE_FILE
+    if template_file.is_file():
+        files.append(template_file)
+    return files
+
+
+def tokenizer_hash(checkpoint_dir: str | os.PathLike) -> str:
+    """sha256 over the content of a checkpoint's tokenizer files."""
+    return hash_files(tokenizer_files(checkpoint_dir), root=checkpoint_dir)

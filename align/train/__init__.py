@@ -1,0 +1,1 @@
+"""Training: the step loop, stage adapters (SFT, DPO), optimizers, reference cache."""

@@ -1,0 +1,1 @@
+"""Process-level helpers: resource guards, distributed setup."""

@@ -1,0 +1,34 @@
+"""SFT stage: train the starting policy from the base model (rule `sft`)."""
+
+from __future__ import annotations
+
+import sys
+
+from align.config import SftConfig, load_config
+from align.exit_codes import run_with_exit_codes
+from align.paths import RunPaths
+from align.receipts import PASSED
+from align.stage import Stage, parse_stage_args
+from align.utils.guard import cap_threads
+
+
+def main() -> None:
+    args = parse_stage_args(sys.argv[1:])
+    loaded = load_config(args.configs[0], SftConfig, args.overrides)
+    cfg, paths = loaded.cfg, RunPaths.of(loaded.cfg.run.results_dir)
+    stage = Stage("sft")
+    cap_threads(cfg.run.threads)
+    from align.model.weights_hash import weights_hash
+    from align.train.sft_stage import run_sft
+
+    figures = run_sft(cfg, paths)
+    outputs = {str(paths.sft_checkpoint): weights_hash(paths.sft_checkpoint)}
+    inputs = {str(cfg.run.base_model): weights_hash(cfg.run.base_model)}
+    stage.write(
+        paths.sft_receipt,
+        stage.receipt(loaded, PASSED, inputs=inputs, outputs=outputs, figures=figures),
+    )
+
+
+if __name__ == "__main__":
+    run_with_exit_codes(main, "sft")

@@ -1,0 +1,45 @@
+"""SFT quality gate (section 11): held-out NLL and greedy generations -> sft/gate.json."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from align.config import SftConfig, load_config
+from align.exit_codes import GateRefused, run_with_exit_codes
+from align.paths import RunPaths
+from align.receipts import FAILED, PASSED
+from align.stage import Stage, parse_stage_args
+from align.utils.guard import cap_threads
+
+
+def main() -> None:
+    args = parse_stage_args(sys.argv[1:])
+    loaded = load_config(args.configs[0], SftConfig, args.overrides)
+    cfg, paths = loaded.cfg, RunPaths.of(loaded.cfg.run.results_dir)
+    stage = Stage("sft_gate")
+    checkpoint = Path(cfg.run.sft_checkpoint) if cfg.run.sft_checkpoint else paths.sft_checkpoint
+    cap_threads(cfg.run.threads)
+    from align.model.weights_hash import weights_hash
+    from align.train.sft_stage import evaluate_sft_gate
+
+    result = evaluate_sft_gate(cfg, checkpoint)
+    receipt = stage.receipt(
+        loaded,
+        PASSED if result["passed"] else FAILED,
+        inputs={str(checkpoint): weights_hash(checkpoint)},
+        figures=result,
+        passed=result["passed"],
+        checkpoint=str(checkpoint),
+        checkpoint_hash=weights_hash(checkpoint),
+    )
+    if not result["passed"]:
+        print(json.dumps(receipt, indent=2), file=sys.stderr)
+        failed = {name: check for name, check in result["checks"].items() if not check["passed"]}
+        raise GateRefused("sft_gate", f"{checkpoint}: failed checks {json.dumps(failed)}")
+    stage.write(paths.sft_gate, receipt)
+
+
+if __name__ == "__main__":
+    run_with_exit_codes(main, "sft_gate")
