@@ -39,6 +39,15 @@ def forward_impl_name(
     return f"{attn_implementation}-{DTYPE_TAGS[dtype]}-b{batch_size}-{padding}"
 
 
+def parse_forward_impl(name: str) -> dict[str, object]:
+    """Invert `forward_impl_name`: {attn_implementation, dtype, batch_size, padding}."""
+    parts = name.split("-")
+    tags = {tag: dtype for dtype, tag in DTYPE_TAGS.items()}
+    if len(parts) != 4 or parts[1] not in tags or not parts[2].startswith("b") or not parts[2][1:].isdigit():
+        raise ValueError(f"forward_impl {name!r} is not of the form <attn>-<fp32|bf16|fp16>-b<batch>-<padding>")
+    return {"attn_implementation": parts[0], "dtype": tags[parts[1]], "batch_size": int(parts[2][1:]), "padding": parts[3]}
+
+
 def expected_key(
     checkpoint: str | Path,
     shard: str | Path,

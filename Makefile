@@ -1,0 +1,26 @@
+# The two commands of the README. Both set everything up on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CORES ?= 2
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: arms test lint install
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The CPU build of torch first, so nothing below pulls a CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+arms: install
+	snakemake --cores $(CORES) arms
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	ruff check . && ruff format --check . && snakefmt --check Snakefile rules && snakemake --lint

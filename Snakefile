@@ -1,0 +1,34 @@
+# align: gated, pre-registered DPO. The chain per arm:
+# sft -> sft_gate -> build_manifest -> ref_cache -> dpo. See DESIGN in README.
+import os
+
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+
+configfile: os.path.join(workflow.basedir, "config", "config.yaml")
+
+
+validate(
+    config, os.path.join(workflow.basedir, "config", "schema", "config.schema.yaml")
+)
+
+
+include: "rules/common.smk"
+include: "rules/tiny.smk"
+include: "rules/sft.smk"
+include: "rules/data.smk"
+include: "rules/ref.smk"
+include: "rules/dpo.smk"
+
+
+rule arms:
+    input:
+        [PATHS.arm(arm).arm_result for arm in ARMS],
+
+
+rule all:
+    default_target: True
+    input:
+        rules.arms.input,

@@ -1,0 +1,39 @@
+rule sft:
+    """Train the starting policy from the base model (only when no SFT checkpoint is given)."""
+    input:
+        script=SCRIPTS / "sft.py",
+        base=base_model_files(),
+        data=sft_cfg().data.files,
+        config=SFT_TOML,
+    output:
+        checkpoint=directory(PATHS.sft_checkpoint),
+        receipt=PATHS.sft_receipt,
+    log:
+        PATHS.log("sft"),
+    benchmark:
+        PATHS.benchmark("sft")
+    threads: config["threads"]
+    params:
+        run=RUN_OVERRIDES,
+    shell:
+        "python {input.script} {input.config} {params.run} --run.threads={threads} > {log} 2>&1"
+
+
+rule sft_gate:
+    """Section-11 quality receipt of the SFT checkpoint: held-out NLL, greedy generations."""
+    input:
+        script=SCRIPTS / "sft_gate.py",
+        checkpoint=sft_checkpoint(),
+        data=sft_cfg().data.files,
+        config=SFT_TOML,
+    output:
+        PATHS.sft_gate,
+    log:
+        PATHS.log("sft_gate"),
+    benchmark:
+        PATHS.benchmark("sft_gate")
+    threads: config["threads"]
+    params:
+        run=RUN_OVERRIDES,
+    shell:
+        "python {input.script} {input.config} {params.run} --run.threads={threads} > {log} 2>&1"

@@ -1,0 +1,78 @@
+"""The whole default workflow in a temporary directory: every receipt, and DPO beats SFT."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from align.paths import SPLITS, RunPaths
+from align.receipts import PASSED, hash_file, load_receipt
+
+REPO = Path(__file__).resolve().parents[1]
+ARMS = ("argilla", "steppairs")
+pytestmark = pytest.mark.slow
+
+
+def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run(
+        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir), *args],
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=1200,
+    )
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("workflow")
+    run = snakemake(work, "--cores", "2", "arms")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return work
+
+
+def test_dry_run_lists_every_rule_of_the_chain(tmp_path):
+    run = snakemake(tmp_path, "--dry-run", "arms")
+    assert run.returncode == 0, run.stderr[-2000:]
+    for rule in ("tiny_default", "sft", "sft_gate", "build_manifest", "ref_cache", "dpo"):
+        assert f"rule {rule}:" in run.stdout + run.stderr, rule
+
+
+def test_every_receipt_is_passed_and_its_hashes_hold(workdir):
+    paths = RunPaths.of(workdir / "results")
+    os.chdir(workdir)
+    gate = load_receipt(paths.sft_gate, "sft_gate", stage="sft_gate")
+    assert gate["passed"] is True and gate["status"] == PASSED
+    manifest = load_receipt(paths.manifest, "manifest", stage="build_manifest")
+    for arm in ARMS:
+        entry = manifest["arms"][arm]
+        counts = entry["counts"]
+        assert counts["read"] == counts["kept"] + sum(counts["removed"].values())
+        assert counts["kept"] == counts["train"] + counts["held"]
+        for split in SPLITS:
+            assert hash_file(entry["shards"][split]["path"]) == entry["shards"][split]["hash"]
+        result = load_receipt(paths.arm(arm).arm_result, "dpo", stage="dpo")
+        assert result["status"] == PASSED
+        assert [g["gate"] for g in result["gates"]] == ["sft_gate", "manifest", "ref_cache"]
+        for key in ("config_hash", "overrides", "package_version", "host", "started_at", "finished_at"):
+            assert key in result
+        assert result["overrides"]["run.results_dir"] == "results"
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_dpo_policy_beats_sft_on_held_out_pairs(workdir, arm):
+    result = json.loads((workdir / "results" / arm / "arm_result.json").read_text())
+    held = result["figures"]["held_out"]
+    assert held["policy"]["n"] == held["sft"]["n"] > 50
+    assert held["policy"]["ci_low"] > held["sft"]["accuracy"], held
+
+
+def test_forcerun_ref_cache_reruns_from_that_rule_only(workdir):
+    run = snakemake(workdir, "--dry-run", "--forcerun", "ref_cache", "arms")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-2000:]
+    assert "rule ref_cache:" in out and "rule dpo:" in out
+    assert "rule sft:" not in out and "rule build_manifest:" not in out
