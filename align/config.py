@@ -9,6 +9,7 @@ returned so every receipt can record them. Imports nothing heavy.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -359,6 +360,9 @@ def validate(cfg: Any, where: str) -> None:
                 f"{where}: key 'data.truncation' expected one of {TRUNCATION_POLICIES}, "
                 f"found {cfg.data.truncation!r}"
             )
+    for dotted, value, ok, expected in _ranges(cfg):
+        if not ok:
+            raise ConfigError(f"{where}: key {dotted!r} expected {expected}, found {value!r}")
     batch = getattr(cfg, "batch", None)
     if batch is not None:
         product = batch.world_size * batch.micro_batch * batch.grad_accum
@@ -368,6 +372,31 @@ def validate(cfg: Any, where: str) -> None:
                 f"{batch.world_size} x {batch.micro_batch} x {batch.grad_accum} = {product}, "
                 f"expected global_batch {batch.global_batch}"
             )
+
+
+POSITIVE_INTS = (
+    "world_size",
+    "micro_batch",
+    "grad_accum",
+    "global_batch",
+    "epochs",
+    "threads",
+    "batch_size",
+)
+
+
+def _ranges(cfg: Any):
+    """(key, value, in range, what was expected) for every range-checked leaf."""
+    for dotted, value in _walk(cfg):
+        leaf = dotted.rsplit(".", 1)[-1]
+        if leaf in POSITIVE_INTS:
+            yield dotted, value, value >= 1, "an integer >= 1"
+        elif leaf == "seq_len":
+            yield dotted, value, value >= 2, "an integer >= 2"
+        elif leaf == "held_fraction":
+            yield dotted, value, 0.0 < value < 1.0, "a fraction in (0, 1)"
+        elif leaf in ("lr", "beta"):
+            yield dotted, value, math.isfinite(value) and value > 0, "a finite number > 0"
 
 
 def _walk(obj: Any, prefix: str = ""):

@@ -150,8 +150,12 @@ def load_receipt(path: str | os.PathLike, gate: str, stage: str | None = None) -
         )
     try:
         receipt = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError) as err:
         raise GateRefused(gate, f"{p}: unreadable receipt ({err})") from err
+    if not isinstance(receipt, dict):
+        raise GateRefused(
+            gate, f"{p}: receipt expected a JSON object, found {type(receipt).__name__}"
+        )
     if receipt.get("schema_version") != SCHEMA_VERSION:
         raise GateRefused(
             gate,

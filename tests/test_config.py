@@ -189,7 +189,9 @@ def test_none_override_clears_an_optional_field():
 
 
 def test_bool_override_accepts_only_true_or_false():
-    assert load_config(TINY, TinyConfig, ["--tie_word_embeddings=true"]).cfg.model.tie_word_embeddings
+    assert load_config(
+        TINY, TinyConfig, ["--tie_word_embeddings=true"]
+    ).cfg.model.tie_word_embeddings
     message = refused(TINY, TinyConfig, ["--tie_word_embeddings=1"])
     assert "model.tie_word_embeddings" in message
 
@@ -277,7 +279,9 @@ def test_missing_arm_name_is_refused(tmp_path):
 
 
 def test_config_hash_is_stable_across_loads():
-    assert load_config(ARGILLA, ArmConfig).config_hash == load_config(ARGILLA, ArmConfig).config_hash
+    assert (
+        load_config(ARGILLA, ArmConfig).config_hash == load_config(ARGILLA, ArmConfig).config_hash
+    )
 
 
 def test_config_hash_changes_when_an_override_changes_a_value():
@@ -292,7 +296,9 @@ def test_config_hash_is_unchanged_by_an_override_to_the_same_value():
 
 
 def test_config_hash_differs_between_arms():
-    assert load_config(ARGILLA, ArmConfig).config_hash != load_config(STEPPAIRS, ArmConfig).config_hash
+    assert (
+        load_config(ARGILLA, ArmConfig).config_hash != load_config(STEPPAIRS, ArmConfig).config_hash
+    )
 
 
 # --- import weight -----------------------------------------------------------------------

@@ -223,7 +223,9 @@ def test_load_receipt_refuses_bad_json(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "content", [b"[1, 2]", b"null", b'"a receipt"', b"\xff\xfe{}"], ids=["list", "null", "str", "bytes"]
+    "content",
+    [b"[1, 2]", b"null", b'"a receipt"', b"\xff\xfe{}"],
+    ids=["list", "null", "str", "bytes"],
 )
 def test_load_receipt_refuses_content_that_is_not_a_json_object(tmp_path, content):
     # Anything other than a JSON object must end at the gate (exit 3), not as an internal error.

@@ -21,8 +21,21 @@ pytestmark = pytest.mark.slow
 def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     return subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir), *args],
-        cwd=workdir, env=env, capture_output=True, text=True, timeout=1200,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(workdir),
+            *args,
+        ],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
 
 
@@ -41,9 +54,9 @@ def test_dry_run_lists_every_rule_of_the_chain(tmp_path):
         assert f"rule {rule}:" in run.stdout + run.stderr, rule
 
 
-def test_every_receipt_is_passed_and_its_hashes_hold(workdir):
-    paths = RunPaths.of(workdir / "results")
-    os.chdir(workdir)
+def test_every_receipt_is_passed_and_its_hashes_hold(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    paths = RunPaths.of("results")
     gate = load_receipt(paths.sft_gate, "sft_gate", stage="sft_gate")
     assert gate["passed"] is True and gate["status"] == PASSED
     manifest = load_receipt(paths.manifest, "manifest", stage="build_manifest")
@@ -57,7 +70,14 @@ def test_every_receipt_is_passed_and_its_hashes_hold(workdir):
         result = load_receipt(paths.arm(arm).arm_result, "dpo", stage="dpo")
         assert result["status"] == PASSED
         assert [g["gate"] for g in result["gates"]] == ["sft_gate", "manifest", "ref_cache"]
-        for key in ("config_hash", "overrides", "package_version", "host", "started_at", "finished_at"):
+        for key in (
+            "config_hash",
+            "overrides",
+            "package_version",
+            "host",
+            "started_at",
+            "finished_at",
+        ):
             assert key in result
         assert result["overrides"]["run.results_dir"] == "results"
 

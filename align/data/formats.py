@@ -49,7 +49,10 @@ class RawRow:
         value = self.values[column]
         if optional and value is None:
             return None
-        if not isinstance(value, kind) or (kind in (int, float) and isinstance(value, bool)):
+        numeric = kind in (int, float) or (
+            isinstance(kind, tuple) and bool({int, float} & set(kind))
+        )
+        if not isinstance(value, kind) or (numeric and isinstance(value, bool)):
             expected = (
                 kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
             )

@@ -8,10 +8,12 @@ response of row i spans positions [prompt_len[i], *_len[i]).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from align.data.tokenize import TokenizedPair
@@ -53,11 +55,22 @@ def sft_arrays(rows: Sequence[tuple[list[int], int]], pad_id: int) -> dict[str, 
     }
 
 
-def write_shard(path: str | Path, arrays: dict[str, np.ndarray], fmt: str, **metadata: str) -> None:
+def write_shard(
+    path: str | Path, arrays: dict[str, np.ndarray], fmt: str, **metadata: object
+) -> None:
     with atomic_path(path) as tmp:
-        save_file(
-            arrays, str(tmp), metadata={"format": fmt, **{k: str(v) for k, v in metadata.items()}}
-        )
+        save_file(arrays, str(tmp), metadata=single_key_metadata({"format": fmt, **metadata}))
+
+
+def single_key_metadata(metadata: dict[str, object]) -> dict[str, str]:
+    """safetensors writes metadata keys in no fixed order; one key keeps the bytes reproducible."""
+    return {"align": json.dumps(metadata, sort_keys=True)}
+
+
+def read_metadata(path: str | Path) -> dict[str, object]:
+    with safe_open(str(path), framework="numpy") as f:
+        metadata = f.metadata() or {}
+    return json.loads(metadata["align"]) if "align" in metadata else {}
 
 
 def read_shard(path: str | Path) -> dict[str, np.ndarray]:

@@ -8,13 +8,13 @@ recomputes the key it expects and refuses any difference, naming the component.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from align.data.shards import read_metadata, single_key_metadata
 from align.exit_codes import GateRefused
 from align.model.tokenizer import tokenizer_hash
 from align.model.weights_hash import weights_hash
@@ -30,6 +30,7 @@ KEY_COMPONENTS = (
 )
 DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 GATE = "ref_cache"
+CACHE_FORMAT = "align-ref-cache-v1"
 
 
 def forward_impl_name(
@@ -43,9 +44,21 @@ def parse_forward_impl(name: str) -> dict[str, object]:
     """Invert `forward_impl_name`: {attn_implementation, dtype, batch_size, padding}."""
     parts = name.split("-")
     tags = {tag: dtype for dtype, tag in DTYPE_TAGS.items()}
-    if len(parts) != 4 or parts[1] not in tags or not parts[2].startswith("b") or not parts[2][1:].isdigit():
-        raise ValueError(f"forward_impl {name!r} is not of the form <attn>-<fp32|bf16|fp16>-b<batch>-<padding>")
-    return {"attn_implementation": parts[0], "dtype": tags[parts[1]], "batch_size": int(parts[2][1:]), "padding": parts[3]}
+    if (
+        len(parts) != 4
+        or parts[1] not in tags
+        or not parts[2].startswith("b")
+        or not parts[2][1:].isdigit()
+    ):
+        raise ValueError(
+            f"forward_impl {name!r} is not of the form <attn>-<fp32|bf16|fp16>-b<batch>-<padding>"
+        )
+    return {
+        "attn_implementation": parts[0],
+        "dtype": tags[parts[1]],
+        "batch_size": int(parts[2][1:]),
+        "padding": parts[3],
+    }
 
 
 def expected_key(
@@ -81,9 +94,7 @@ def write_ref_cache(
     }
     with atomic_path(path) as tmp:
         save_file(
-            arrays,
-            str(tmp),
-            metadata={"format": "align-ref-cache-v1", "key": json.dumps(key, sort_keys=True)},
+            arrays, str(tmp), metadata=single_key_metadata({"format": CACHE_FORMAT, "key": key})
         )
 
 
@@ -91,11 +102,12 @@ def read_cache_key(path: str | Path) -> dict[str, str]:
     p = Path(path)
     if not p.exists():
         raise GateRefused(GATE, f"{p}: reference cache missing")
-    with safe_open(str(p), framework="numpy") as f:
-        metadata = f.metadata() or {}
-    if "key" not in metadata:
-        raise GateRefused(GATE, f"{p}: reference cache has no key in its metadata")
-    return json.loads(metadata["key"])
+    metadata = read_metadata(p)
+    if metadata.get("format") != CACHE_FORMAT or "key" not in metadata:
+        raise GateRefused(
+            GATE, f"{p}: expected a reference cache ({CACHE_FORMAT}) with a key in its metadata"
+        )
+    return metadata["key"]
 
 
 def check_key(path: str | Path, expected: dict[str, str]) -> None:

@@ -1,0 +1,196 @@
+"""The reference log-prob cache: storage by pair id and its six-component key (align.train.ref_cache)."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from align.data.synthetic import default_texts, write_default_data
+from align.exit_codes import GATE_REFUSED, GateRefused
+from align.model.tiny import make_tiny_model
+from align.model.tokenizer import TOKENIZER_FILE, train_bpe_tokenizer
+from align.train.ref_cache import (
+    KEY_COMPONENTS,
+    check_key,
+    expected_key,
+    forward_impl_name,
+    load_ref_cache,
+    read_cache_key,
+    write_ref_cache,
+)
+
+# The tiny model is built on CPU; one thread avoids hand-off overhead on this small work.
+torch.set_num_threads(1)
+
+KEY = {
+    "checkpoint_weights": "w" * 64,
+    "tokenizer": "t" * 64,
+    "shard": "s" * 64,
+    "seq_len_truncation": "96:prompt_left_response_right",
+    "dtype": "float32",
+    "forward_impl": "sdpa-fp32-b16-padded",
+}
+IDS = np.array([50, 10, 30, 20], dtype=np.int64)
+CHOSEN = np.array([-5.0, -1.0, -3.0, -2.0], dtype=np.float32)
+REJECTED = np.array([-50.0, -10.0, -30.0, -20.0], dtype=np.float32)
+
+
+@pytest.fixture
+def cache(tmp_path) -> Path:
+    path = tmp_path / "ref" / "train.safetensors"
+    write_ref_cache(path, IDS, CHOSEN, REJECTED, KEY)
+    return path
+
+
+def refusal(fn, *args) -> str:
+    with pytest.raises(GateRefused) as err:
+        fn(*args)
+    assert err.value.exit_code == GATE_REFUSED
+    assert err.value.gate == "ref_cache"
+    return str(err.value)
+
+
+def test_round_trip_in_the_written_order(cache):
+    chosen, rejected = load_ref_cache(cache, KEY, IDS)
+    assert np.array_equal(chosen, CHOSEN)
+    assert np.array_equal(rejected, REJECTED)
+    assert read_cache_key(cache) == KEY
+
+
+def test_round_trip_is_aligned_by_pair_id_in_any_order(cache):
+    wanted = np.array([20, 50, 10, 30])
+    chosen, rejected = load_ref_cache(cache, KEY, wanted)
+    assert chosen.tolist() == [-2.0, -5.0, -1.0, -3.0]
+    assert rejected.tolist() == [-20.0, -50.0, -10.0, -30.0]
+
+
+def test_write_leaves_only_the_cache_file(cache):
+    assert [p.name for p in cache.parent.iterdir()] == [cache.name]
+
+
+def test_matching_key_is_accepted(cache):
+    check_key(cache, dict(KEY))
+
+
+@pytest.mark.parametrize("component", KEY_COMPONENTS)
+def test_each_changed_key_component_is_refused_by_name(cache, component):
+    expected = {**KEY, component: KEY[component] + "-changed"}
+    message = refusal(check_key, cache, expected)
+    assert repr(component) in message
+    assert str(cache) in message
+    assert repr(expected[component]) in message
+    assert repr(KEY[component]) in message
+    # Loading goes through the same check.
+    assert repr(component) in refusal(load_ref_cache, cache, expected, IDS)
+
+
+def test_six_components():
+    assert len(KEY_COMPONENTS) == 6
+    assert set(KEY_COMPONENTS) == set(KEY)
+
+
+def test_missing_pair_ids_are_refused(cache):
+    message = refusal(load_ref_cache, cache, KEY, np.array([10, 20, 30, 50, 99]))
+    assert "missing" in message
+    assert "99" in message
+
+
+def test_extra_pair_ids_in_the_cache_are_refused(cache):
+    message = refusal(load_ref_cache, cache, KEY, np.array([10, 20, 30]))
+    assert "1 pair ids that the shard does not" in message
+
+
+def test_a_missing_cache_is_refused(tmp_path):
+    assert "missing" in refusal(check_key, tmp_path / "absent.safetensors", KEY)
+
+
+def test_forward_impl_name_describes_the_path():
+    assert forward_impl_name("sdpa", "float32", 16) == "sdpa-fp32-b16-padded"
+    assert forward_impl_name("eager", "bfloat16", 4, "packed") == "eager-bf16-b4-packed"
+
+
+# --- the key computed from a real checkpoint ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("ckpt")
+    data = write_default_data(root / "data", seed=0, n_argilla=20, n_steppairs=20, n_sft=20)
+    tokenizer_dir = train_bpe_tokenizer(list(default_texts(data)), 300, root / "tok")
+    return make_tiny_model(
+        root / "model",
+        tokenizer_dir,
+        seed=0,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
+
+
+@pytest.fixture
+def copy(tmp_path, checkpoint) -> Path:
+    target = tmp_path / "model"
+    shutil.copytree(checkpoint, target)
+    shard = tmp_path / "pairs.safetensors"
+    shard.write_bytes(b"shard bytes")
+    return target
+
+
+def key_of(checkpoint: Path) -> dict[str, str]:
+    shard = checkpoint.parent / "pairs.safetensors"
+    return expected_key(
+        checkpoint, shard, 96, "prompt_left_response_right", "float32", "sdpa-fp32-b16-padded"
+    )
+
+
+def flip_one_weight_byte(checkpoint: Path) -> None:
+    path = checkpoint / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    (header_bytes,) = struct.unpack("<Q", data[:8])
+    data_start = 8 + header_bytes
+    position = data_start + (len(data) - data_start) // 2
+    data[position] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_expected_key_is_stable(copy):
+    assert key_of(copy) == key_of(copy)
+    assert key_of(copy)["seq_len_truncation"] == "96:prompt_left_response_right"
+
+
+def test_one_weight_byte_changes_only_the_weights_component(copy):
+    before = key_of(copy)
+    flip_one_weight_byte(copy)
+    after = key_of(copy)
+    changed = {c for c in KEY_COMPONENTS if before[c] != after[c]}
+    assert changed == {"checkpoint_weights"}
+
+
+def test_a_cache_built_before_a_weight_change_is_refused(copy, tmp_path):
+    cache = tmp_path / "train.safetensors"
+    write_ref_cache(cache, IDS, CHOSEN, REJECTED, key_of(copy))
+    flip_one_weight_byte(copy)
+    assert "'checkpoint_weights'" in refusal(check_key, cache, key_of(copy))
+
+
+def test_a_tokenizer_edit_changes_only_the_tokenizer_component(copy):
+    before = key_of(copy)
+    path = copy / TOKENIZER_FILE
+    path.write_text(path.read_text() + " ")
+    after = key_of(copy)
+    assert {c for c in KEY_COMPONENTS if before[c] != after[c]} == {"tokenizer"}
+
+
+def test_a_shard_edit_changes_only_the_shard_component(copy):
+    before = key_of(copy)
+    (copy.parent / "pairs.safetensors").write_bytes(b"other shard bytes")
+    after = key_of(copy)
+    assert {c for c in KEY_COMPONENTS if before[c] != after[c]} == {"shard"}
