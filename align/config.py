@@ -99,6 +99,21 @@ class BatchConfig:
 
 
 @dataclass
+class TrainerConfig:
+    """How the step loop runs, stops and checkpoints; not what it optimizes."""
+
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    resume: bool = False
+    max_wall_seconds: float = 0.0
+    max_micro_steps: int = 0
+    probe_steps: int = 20
+    max_consecutive_skipped_steps: int = 3
+    max_skipped_fraction: float = 0.05
+    activation_checkpointing: bool = False
+
+
+@dataclass
 class EvalConfig:
     batch_size: int = 32
 
@@ -125,6 +140,7 @@ class ArmConfig:
     dpo: DpoConfig = field(default_factory=DpoConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -155,6 +171,7 @@ class SftConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
     gate: SftGateConfig = field(default_factory=SftGateConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -8,10 +8,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import norm
 
 from align.config import BatchConfig, OptimizerConfig
-from align.data.loader import PairShard, epoch_order, step_rows, steps_per_epoch
+from align.data.loader import PairShard
+from align.data.sampler import StepSampler, epoch_order, steps_per_epoch
 from align.data.shards import PAIR_FORMAT, pair_arrays, write_shard
 from align.data.tokenize import TokenizedPair
 from align.eval.preference import implicit_reward_preference, policy_preference
@@ -61,13 +64,13 @@ def test_no_warmup_starts_at_full_rate():
 BATCH = BatchConfig(world_size=1, micro_batch=8, grad_accum=2, global_batch=16, epochs=8)
 
 
-@pytest.mark.parametrize(("pairs", "steps"), [(96, 48), (97, 56), (100, 56), (1, 8)])
-def test_training_horizon_is_epochs_times_ceil_steps(pairs, steps):
+@pytest.mark.parametrize(("pairs", "steps"), [(96, 48), (97, 48), (100, 48), (1, 8)])
+def test_training_horizon_is_epochs_times_floor_steps_at_least_one(pairs, steps):
     assert training_horizon(pairs, BATCH) == steps
 
 
 def test_consistent_horizon_is_accepted():
-    assert_horizon_consistent(56, 100, BATCH)
+    assert_horizon_consistent(48, 100, BATCH)
 
 
 def test_inconsistent_horizon_is_refused_naming_the_numbers():
@@ -76,7 +79,7 @@ def test_inconsistent_horizon_is_refused_naming_the_numbers():
     message = str(err.value)
     assert err.value.exit_code == USAGE
     assert "horizon 28" in message
-    assert "8 x ceil(100 / 16) = 56" in message
+    assert "8 x floor(100 / 16) = 48" in message
 
 
 # --- optimizer ---------------------------------------------------------------------------
@@ -108,31 +111,54 @@ def test_build_optimizer_honours_the_config_and_skips_frozen_parameters():
 # --- batch order -------------------------------------------------------------------------
 
 
-def test_step_rows_covers_every_row_once_per_epoch_in_micro_batches():
-    n, epochs, global_batch, micro = 37, 3, 8, 4
-    steps = list(step_rows(n, seed=5, epochs=epochs, global_batch=global_batch, micro_batch=micro))
-    per_epoch = steps_per_epoch(n, global_batch)
-    assert per_epoch == 5
-    assert len(steps) == epochs * per_epoch
-    orders = []
-    for epoch in range(epochs):
-        epoch_steps = steps[epoch * per_epoch : (epoch + 1) * per_epoch]
-        rows = np.concatenate([mb for step in epoch_steps for mb in step])
-        assert sorted(rows.tolist()) == list(range(n))
-        for step in epoch_steps[:-1]:
-            assert [len(mb) for mb in step] == [micro, micro]
-        assert [len(mb) for mb in epoch_steps[-1]] == [4, 1]
-        orders.append(rows.tolist())
-    assert orders[0] != orders[1] != orders[2] != orders[0]
+@pytest.mark.parametrize("world", [1, 2, 4])
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(8, 90), accum=st.integers(1, 2), micro=st.integers(1, 3), seed=st.integers(0, 9)
+)
+def test_every_row_once_per_epoch_across_ranks(world, n, accum, micro, seed):
+    batch = BatchConfig(
+        world_size=world,
+        micro_batch=micro,
+        grad_accum=accum,
+        global_batch=world * micro * accum,
+        epochs=2,
+        seed=seed,
+    )
+    if n < world * accum:
+        return
+    samplers = [StepSampler(n, batch, rank, world) for rank in range(world)]
+    per_epoch = steps_per_epoch(n, batch.global_batch)
+    assert len(samplers[0]) == 2 * per_epoch
+    for epoch in range(2):
+        seen = []
+        for step in range(epoch * per_epoch, (epoch + 1) * per_epoch):
+            counts = [len(s.rank_rows(step)) for s in samplers]
+            assert counts == [accum] * world
+            for sampler in samplers:
+                for rows in sampler.rank_rows(step):
+                    assert len(rows) >= 1
+                    seen.extend(rows.tolist())
+        assert sorted(seen) == list(range(n))
 
 
-def test_step_rows_is_fixed_by_the_seed():
-    a = [mb.tolist() for step in step_rows(20, 1, 2, 4, 2) for mb in step]
-    b = [mb.tolist() for step in step_rows(20, 1, 2, 4, 2) for mb in step]
-    c = [mb.tolist() for step in step_rows(20, 2, 2, 4, 2) for mb in step]
-    assert a == b
-    assert a != c
+def test_last_step_of_an_epoch_takes_the_remainder():
+    batch = BatchConfig(world_size=1, micro_batch=4, grad_accum=2, global_batch=8, epochs=1)
+    sampler = StepSampler(37, batch, 0, 1)
+    assert len(sampler) == 4
+    assert [len(sampler.global_rows(s)) for s in range(4)] == [8, 8, 8, 13]
+
+
+def test_epoch_order_is_fixed_by_the_seed_and_differs_per_epoch():
     assert np.array_equal(epoch_order(20, 1, 0), epoch_order(20, 1, 0))
+    assert not np.array_equal(epoch_order(20, 1, 0), epoch_order(20, 2, 0))
+    assert not np.array_equal(epoch_order(20, 1, 0), epoch_order(20, 1, 1))
+
+
+def test_sampler_refuses_fewer_rows_than_micro_batches_of_a_step():
+    batch = BatchConfig(world_size=2, micro_batch=1, grad_accum=2, global_batch=4, epochs=1)
+    with pytest.raises(ConfigError, match="3 rows cannot fill"):
+        StepSampler(3, batch, 0, 2)
 
 
 # --- DPO loss ----------------------------------------------------------------------------
@@ -173,8 +199,8 @@ def test_dpo_loss_and_rewards_match_the_formula():
 
 
 def test_dpo_refuses_an_unknown_loss():
-    with pytest.raises(ValueError, match="hinge"):
-        dpo_losses(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), 0.1, "hinge")
+    with pytest.raises(ValueError, match="'simpo_typo'"):
+        dpo_losses(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), 0.1, "simpo_typo")
 
 
 # --- sequence log-probs on a tiny model --------------------------------------------------

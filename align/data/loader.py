@@ -77,19 +77,15 @@ class SftShard:
         return _batch(a["ids"][rows], a["length"][rows], a["prompt_len"][rows], rows)
 
 
-def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
-    """The row order of one epoch: a permutation fixed by (seed, epoch)."""
-    return np.random.default_rng([seed, epoch]).permutation(n)
+class BatchSource:
+    """This rank's micro-batches for each optimizer step of the run."""
 
+    def __init__(self, shard: PairShard | SftShard, sampler):
+        self.shard = shard
+        self.sampler = sampler
 
-def step_rows(n: int, seed: int, epochs: int, global_batch: int, micro_batch: int):
-    """For each optimizer step, its micro-batches of row indices; every row once per epoch."""
-    for epoch in range(epochs):
-        order = epoch_order(n, seed, epoch)
-        for start in range(0, n, global_batch):
-            step = order[start : start + global_batch]
-            yield [step[i : i + micro_batch] for i in range(0, len(step), micro_batch)]
+    def __len__(self) -> int:
+        return len(self.sampler)
 
-
-def steps_per_epoch(n: int, global_batch: int) -> int:
-    return -(-n // global_batch)
+    def micro_batches(self, step: int) -> list[TokenBatch]:
+        return [self.shard.collate(rows) for rows in self.sampler.rank_rows(step)]

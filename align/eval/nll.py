@@ -1,20 +1,24 @@
-"""Token-mean negative log-likelihood of response tokens over a shard."""
+"""Token-mean negative log-likelihood of response tokens over a shard (any number of ranks)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from align.eval.preference import rank_blocks
 from align.train.logprobs import token_logps
+from align.utils.dist import DistInfo, all_reduce_sum
 
 
 @torch.no_grad()
-def mean_nll(model, shard, batch_size: int) -> float:
+def mean_nll(model, shard, batch_size: int, info: DistInfo) -> float:
     model.eval()
     total, tokens = 0.0, 0
-    for start in range(0, len(shard), batch_size):
-        batch = shard.collate(np.arange(start, min(start + batch_size, len(shard))))
+    for rows in rank_blocks(len(shard), batch_size, info.rank, info.world_size):
+        batch = shard.collate(rows if rows is not None else np.arange(min(batch_size, len(shard))))
         logits = model(batch.input_ids, attention_mask=batch.attention_mask)
-        total -= float((token_logps(logits, batch.input_ids) * batch.loss_mask[:, 1:]).sum())
-        tokens += batch.num_loss_tokens
+        if rows is not None:
+            total -= float((token_logps(logits, batch.input_ids) * batch.loss_mask[:, 1:]).sum())
+            tokens += batch.num_loss_tokens
+    total, tokens = all_reduce_sum([total, tokens])
     return total / tokens

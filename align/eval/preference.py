@@ -1,7 +1,9 @@
 """Scoring pairs with a policy: summed response log-probs of chosen and rejected.
 
 The same routine builds the reference cache and evaluates policies, so both see
-one forward path for a given dtype, backend and batch size.
+one forward path for a given dtype, backend and batch size. Under several ranks,
+batches are dealt round-robin and every rank runs the same number of forwards
+(sharded models need every rank in every forward); results are summed across ranks.
 """
 
 from __future__ import annotations
@@ -13,22 +15,36 @@ from tqdm import tqdm
 from align.data.loader import PairShard
 from align.eval.stats import accuracy_summary
 from align.train.logprobs import sequence_logps
+from align.utils.dist import DistInfo, all_reduce_sum
+
+
+def rank_blocks(n: int, batch_size: int, rank: int, world_size: int) -> list[np.ndarray | None]:
+    """This rank's row blocks; None marks a padding forward that keeps ranks in step."""
+    blocks = [np.arange(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
+    rounds = -(-len(blocks) // world_size)
+    return [
+        blocks[i] if i < len(blocks) else None for i in range(rank, rounds * world_size, world_size)
+    ]
 
 
 @torch.no_grad()
 def score_pairs(
-    model, shard: PairShard, batch_size: int, desc: str = "score"
+    model, shard: PairShard, batch_size: int, info: DistInfo, desc: str = "score"
 ) -> tuple[np.ndarray, np.ndarray]:
     """(chosen, rejected) summed log-probs of every row of `shard`, in row order, float32."""
     model.eval()
-    chosen = np.zeros(len(shard), dtype=np.float32)
-    rejected = np.zeros(len(shard), dtype=np.float32)
-    for start in tqdm(range(0, len(shard), batch_size), desc=desc, mininterval=5):
-        rows = np.arange(start, min(start + batch_size, len(shard)))
-        logps = sequence_logps(model, shard.collate(rows)).float().numpy()
-        chosen[rows] = logps[: len(rows)]
-        rejected[rows] = logps[len(rows) :]
-    return chosen, rejected
+    n = len(shard)
+    out = np.zeros(2 * n, dtype=np.float64)
+    blocks = rank_blocks(n, batch_size, info.rank, info.world_size)
+    for rows in tqdm(blocks, desc=desc, mininterval=5, disable=not info.is_main):
+        batch = shard.collate(rows if rows is not None else np.arange(min(batch_size, n)))
+        logps = sequence_logps(model, batch).double().cpu().numpy()
+        if rows is not None:
+            out[rows] = logps[: len(rows)]
+            out[n + rows] = logps[len(rows) :]
+    if info.world_size > 1:
+        out = np.asarray(all_reduce_sum(out.tolist()))
+    return out[:n].astype(np.float32), out[n:].astype(np.float32)
 
 
 def policy_preference(chosen: np.ndarray, rejected: np.ndarray) -> dict[str, float]:

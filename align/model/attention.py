@@ -2,8 +2,11 @@
 
 Every backend computes grouped-query causal attention with the same contract:
 q [B, Hq, T, D], k/v [B, Hkv, T, D], and a boolean mask [B, 1, T, T] (True =
-attend) or None for pure causal attention. New backends register in
-`ATTENTION_BACKENDS`.
+attend) or None for pure causal attention. The exception is "triton_fa2", this
+package's Triton kernel: it takes right-padded key lengths [B] (int32) or None in
+place of the mask, is offered only on CUDA, and only once its equivalence gate
+has a passed receipt for the current kernel, software and device. New backends
+register in `ATTENTION_BACKENDS`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from align.kernels.equivalence import GATED_DTYPES, GATED_HEAD_DIMS, require_proven_kernel
 
 AttentionFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
@@ -44,17 +49,50 @@ def eager_attention(
     return torch.matmul(scores.softmax(dim=-1), v).to(q.dtype)
 
 
+def triton_fa2_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None
+) -> torch.Tensor:
+    """The gated Triton FlashAttention-2 kernel; `key_lengths` [B] right-pads each row."""
+    if q.device.type != "cuda":
+        raise ValueError(f"attention backend 'triton_fa2' runs on CUDA tensors, got {q.device}")
+    if q.dtype not in GATED_DTYPES or q.shape[-1] not in GATED_HEAD_DIMS:
+        proven = f"dtypes {sorted(map(str, GATED_DTYPES))}, head dims {sorted(GATED_HEAD_DIMS)}"
+        raise ValueError(
+            f"attention backend 'triton_fa2' is proven only for {proven}; "
+            f"got {q.dtype}, head dim {q.shape[-1]}"
+        )
+    if key_lengths is not None and key_lengths.dim() != 1:
+        raise ValueError(
+            "attention backend 'triton_fa2' takes key lengths [B] (see "
+            f"mistral.build_key_lengths), not a mask of shape {tuple(key_lengths.shape)}"
+        )
+    # Imported here: importing the module decorates the kernels, and Triton reads
+    # TRITON_INTERPRET at that moment.
+    from align.kernels.flash_attn import flash_attention
+
+    return flash_attention(q, k, v, seq_lens=key_lengths, causal=True)
+
+
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {
     "sdpa": sdpa_attention,
     "eager": eager_attention,
+    "triton_fa2": triton_fa2_attention,
 }
 
 
 def select_attn_implementation(name: str, device: torch.device | str) -> str:
     """Resolve the backend name a model on `device` will use; refuse one that is not available."""
-    torch.device(device)  # refuses a malformed device string
+    device = torch.device(device)  # refuses a malformed device string
     if name not in ATTENTION_BACKENDS:
         raise _unavailable(name)
+    if name == "triton_fa2":
+        if device.type != "cuda":
+            fallbacks = sorted(backend for backend in ATTENTION_BACKENDS if backend != name)
+            raise ValueError(
+                f"attention backend {name!r} needs a CUDA device, got {device}; there is no "
+                f"fallback: choose one of {fallbacks} for this device"
+            )
+        require_proven_kernel(device)
     return name
 
 

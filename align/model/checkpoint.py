@@ -110,20 +110,31 @@ def save_hf_checkpoint(
 
     Weights are split into shards with an index when they exceed `max_shard_bytes`.
     """
+    return save_hf_state(model.config, model.state_dict(), out_dir, tokenizer_dir, max_shard_bytes)
+
+
+def save_hf_state(
+    config: MistralConfig,
+    state: dict[str, torch.Tensor],
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """`save_hf_checkpoint` from an align-named state dict (e.g. one gathered from shards)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and (out_dir.is_symlink() or not out_dir.is_dir()):
         raise FileExistsError(f"{out_dir} exists and is not a directory")
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
     tokenizer_files = _tokenizer_files(Path(tokenizer_dir)) if tokenizer_dir is not None else []
-    state = _hf_state_for_saving(model)
-    dtype_names = {_dtype_name(tensor.dtype) for tensor in state.values()}
+    hf_state = _hf_state_for_saving(config, state)
+    dtype_names = {_dtype_name(tensor.dtype) for tensor in hf_state.values()}
     if len(dtype_names) != 1:
         raise ValueError(f"model mixes parameter dtypes {sorted(dtype_names)}; cast it to one")
-    config = dataclasses.replace(model.config, torch_dtype=dtype_names.pop())
+    config = dataclasses.replace(config, torch_dtype=dtype_names.pop())
     with _atomic_directory(out_dir) as staging:
         _write_json(staging / "config.json", config.to_hf_dict())
-        _write_weights(staging, state, max_shard_bytes)
+        _write_weights(staging, hf_state, max_shard_bytes)
         for source in tokenizer_files:
             shutil.copyfile(source, staging / source.name)
     return out_dir
@@ -232,9 +243,11 @@ def _tokenizer_files(tokenizer_dir: Path) -> list[Path]:
     return found
 
 
-def _hf_state_for_saving(model: NmoMistralForCausalLM) -> dict[str, torch.Tensor]:
-    state = nmo_to_hf(model.state_dict())
-    if model.config.tie_word_embeddings:
+def _hf_state_for_saving(
+    config: MistralConfig, nmo_state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    state = nmo_to_hf(dict(nmo_state))
+    if config.tie_word_embeddings:
         del state["lm_head.weight"]  # HF re-ties it from the embedding on load
     return {name: state[name].detach().to("cpu").contiguous() for name in sorted(state)}
 

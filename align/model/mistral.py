@@ -129,9 +129,12 @@ class NmoMistralForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         x = self.embed(input_ids)
         rope = rope_cos_sin(self.config, input_ids.shape[1], x.dtype, x.device)
-        mask = build_attention_mask(
-            attention_mask, input_ids.shape, self.config.sliding_window, input_ids.device
-        )
+        if self.attn_implementation == "triton_fa2":
+            mask = build_key_lengths(attention_mask, input_ids.shape, self.config.sliding_window)
+        else:
+            mask = build_attention_mask(
+                attention_mask, input_ids.shape, self.config.sliding_window, input_ids.device
+            )
         for layer in self.layers:
             x = layer(x, rope, mask)
         hidden = self.norm(x)
@@ -170,16 +173,7 @@ def build_attention_mask(
     batch, length = shape
     window_active = sliding_window is not None and sliding_window < length
     if attention_mask is not None:
-        if attention_mask.shape != shape:
-            raise ValueError(
-                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(shape)}"
-            )
-        key_is_real = attention_mask.bool()
-        padded, left_padded = torch.stack(
-            [~key_is_real.all(), (key_is_real[:, 1:] > key_is_real[:, :-1]).any()]
-        ).tolist()
-        if left_padded:
-            raise ValueError("attention_mask must be right-padded (no real token after padding)")
+        key_is_real, padded = _right_padded_keys(attention_mask, shape)
         if not padded:
             attention_mask = None
     if attention_mask is None and not window_active:
@@ -194,3 +188,39 @@ def build_attention_mask(
     # A padded query always sees itself, so no row is fully masked (which would give NaN).
     key_ok = key_is_real[:, None, None, :] | (key == query)
     return allowed & key_ok
+
+
+def build_key_lengths(
+    attention_mask: torch.Tensor | None, shape: torch.Size, sliding_window: int | None
+) -> torch.Tensor | None:
+    """Real tokens per row, int32 [B], or None when no row is padded: the triton_fa2 mask.
+
+    Real queries see exactly what `build_attention_mask` lets them see; padded queries
+    get zeros instead of attending to themselves, and the loss never reads them.
+    """
+    if sliding_window is not None and sliding_window < shape[1]:
+        raise ValueError(
+            f"attention backend 'triton_fa2' has no sliding window, and sliding_window="
+            f"{sliding_window} < sequence length {shape[1]} would need one; use 'sdpa'"
+        )
+    if attention_mask is None:
+        return None
+    key_is_real, padded = _right_padded_keys(attention_mask, shape)
+    return key_is_real.sum(dim=-1, dtype=torch.int32) if padded else None
+
+
+def _right_padded_keys(
+    attention_mask: torch.Tensor, shape: torch.Size
+) -> tuple[torch.Tensor, bool]:
+    """The mask as booleans [B, T] and whether any row is padded; refuses left padding."""
+    if attention_mask.shape != shape:
+        raise ValueError(
+            f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(shape)}"
+        )
+    key_is_real = attention_mask.bool()
+    padded, left_padded = torch.stack(
+        [~key_is_real.all(), (key_is_real[:, 1:] > key_is_real[:, :-1]).any()]
+    ).tolist()
+    if left_padded:
+        raise ValueError("attention_mask must be right-padded (no real token after padding)")
+    return key_is_real, padded

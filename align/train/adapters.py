@@ -18,6 +18,7 @@ class SftAdapter:
     """Token-mean negative log-likelihood of the response tokens."""
 
     name = "sft"
+    metric_keys = ("nll_sum", "tokens")
 
     def step_denominator(self, micro_batches: list[TokenBatch]) -> float:
         return float(sum(b.num_loss_tokens for b in micro_batches))
@@ -37,6 +38,15 @@ class DpoAdapter:
     """Pair-mean DPO loss against cached reference log-probs (looked up by row)."""
 
     name = "dpo"
+    metric_keys = (
+        "loss_sum",
+        "pairs",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+    )
 
     def __init__(
         self, beta: float, loss: str, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor

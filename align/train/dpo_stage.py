@@ -12,15 +12,12 @@ from typing import Any
 import torch
 
 from align.config import ArmConfig
-from align.data.loader import PairShard, step_rows
+from align.data.loader import PairShard
 from align.eval.preference import implicit_reward_preference, policy_preference, score_pairs
-from align.model.checkpoint import save_hf_checkpoint
 from align.paths import ArmPaths
 from align.train.adapters import DpoAdapter
-from align.train.optim import build_optimizer, build_scheduler, training_horizon
 from align.train.ref_cache import load_ref_cache
-from align.train.sft_stage import load_policy
-from align.train.trainer import Trainer
+from align.train.session import build_trainer, export_policy, load_policy, start_session
 
 
 def _ref(path: Path, key: dict[str, str], shard: PairShard) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,36 +31,32 @@ def run_dpo(
     shards: dict[str, str],
     caches: dict[str, tuple[Path, dict]],
     paths: ArmPaths,
-) -> dict[str, Any]:
-    torch.manual_seed(cfg.batch.seed)
+):
+    info = start_session(paths.run_dir, cfg.run, cfg.batch)
     train, held = PairShard(shards["train"]), PairShard(shards["held"])
     ref_train = _ref(*caches["train"], train)
     ref_held = _ref(*caches["held"], held)
-    model = load_policy(checkpoint, cfg.model, cfg.run.device)
+    model = load_policy(checkpoint, cfg.model, info, cfg.trainer)
     eval_bs = cfg.eval.batch_size
 
-    sft_c, sft_r = score_pairs(model, held, eval_bs, desc="eval sft")
-    optimizer = build_optimizer(model, cfg.optimizer)
-    horizon = training_horizon(len(train), cfg.batch)
-    trainer = Trainer(
+    sft_c, sft_r = score_pairs(model, held, eval_bs, info, desc="eval sft")
+    trainer = build_trainer(
         model,
+        train,
         DpoAdapter(cfg.dpo.beta, cfg.dpo.loss, *ref_train),
-        optimizer,
-        build_scheduler(optimizer, cfg.optimizer, horizon),
-        cfg.optimizer.grad_clip,
-        paths.metrics,
+        optim=cfg.optimizer,
+        batch=cfg.batch,
+        trainer=cfg.trainer,
+        run_dir=paths.run_dir,
+        stage="dpo",
+        info=info,
     )
-    b = cfg.batch
-    batches = (
-        [train.collate(rows) for rows in step]
-        for step in step_rows(len(train), b.seed, b.epochs, b.global_batch, b.micro_batch)
-    )
-    summary = trainer.fit(batches, horizon)
-    pol_c, pol_r = score_pairs(model, held, eval_bs, desc="eval policy")
-    save_hf_checkpoint(model, paths.policy_dir, tokenizer_dir=checkpoint)
+    summary = trainer.fit()
+    pol_c, pol_r = score_pairs(model, held, eval_bs, info, desc="eval policy")
+    export_policy(model, info, checkpoint, paths.policy_dir)
     ref_c, ref_r = (t.numpy() for t in ref_held)
-    return {
-        "horizon_steps": horizon,
+    figures: dict[str, Any] = {
+        "world_size": info.world_size,
         "training": summary,
         "held_out": {
             "sft": policy_preference(sft_c, sft_r),
@@ -72,3 +65,4 @@ def run_dpo(
             "mean_chosen_logp_change": float((pol_c - sft_c).mean()),
         },
     }
+    return figures, info

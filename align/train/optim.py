@@ -12,7 +12,7 @@ import math
 import torch
 
 from align.config import BatchConfig, OptimizerConfig
-from align.data.loader import steps_per_epoch
+from align.data.sampler import steps_per_epoch
 from align.exit_codes import ConfigError
 
 OPTIMIZERS = ("adamw",)
@@ -35,7 +35,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim
 
 
 def training_horizon(num_pairs: int, batch: BatchConfig) -> int:
-    """Optimizer steps of the whole run: epochs x ceil(pairs / global_batch)."""
+    """Optimizer steps of the whole run: epochs x floor(pairs / global_batch), at least one per epoch."""
     return batch.epochs * steps_per_epoch(num_pairs, batch.global_batch)
 
 
@@ -43,8 +43,8 @@ def assert_horizon_consistent(horizon: int, num_pairs: int, batch: BatchConfig) 
     expected = training_horizon(num_pairs, batch)
     if horizon != expected:
         raise ConfigError(
-            f"schedule horizon {horizon} steps disagrees with epochs x ceil(pairs / global_batch) = "
-            f"{batch.epochs} x ceil({num_pairs} / {batch.global_batch}) = {expected}"
+            f"schedule horizon {horizon} steps disagrees with epochs x floor(pairs / global_batch) = "
+            f"{batch.epochs} x floor({num_pairs} / {batch.global_batch}) = {expected}"
         )
 
 

@@ -6,39 +6,37 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from align.config import RefConfig
+from align.config import ModelConfig, RefConfig, RunConfig
 from align.data.loader import PairShard
 from align.eval.preference import score_pairs
-from align.model import load_pretrained
 from align.train.ref_cache import write_ref_cache
+from align.train.session import load_policy, start_session
 
 
-def precompute_ref_cache(
+def precompute_ref_caches(
     checkpoint: str | Path,
-    shard_path: str | Path,
-    out: Path,
-    key: dict[str, str],
+    jobs: list[tuple[str, Path, dict[str, str]]],
     cfg: RefConfig,
-    device: str,
+    run: RunConfig,
+    run_dir: Path,
 ) -> dict[str, Any]:
-    model = load_pretrained(
-        checkpoint,
-        device=device,
-        dtype=getattr(torch, cfg.dtype),
-        attn_implementation=cfg.attn_implementation,
-    )
-    shard = PairShard(shard_path)
-    started = time.perf_counter()
-    chosen, rejected = score_pairs(model, shard, cfg.batch_size, desc=f"ref {out.stem}")
-    elapsed = time.perf_counter() - started
-    write_ref_cache(out, shard.pair_ids, chosen, rejected, key)
-    tokens = int(shard.arrays["chosen_len"].sum() + shard.arrays["rejected_len"].sum())
-    return {
-        "pairs": len(shard),
-        "tokens": tokens,
-        "seconds": elapsed,
-        "tokens_per_s": tokens / elapsed,
-        "key": key,
-    }
+    """Build one cache per (shard, out, key) job with one loaded model; returns per-cache figures."""
+    info = start_session(run_dir, run, None)
+    model = load_policy(checkpoint, ModelConfig(cfg.dtype, cfg.attn_implementation), info)
+    figures = {}
+    for shard_path, out, key in jobs:
+        shard = PairShard(shard_path)
+        started = time.perf_counter()
+        chosen, rejected = score_pairs(model, shard, cfg.batch_size, info, desc=f"ref {out.stem}")
+        elapsed = time.perf_counter() - started
+        if info.is_main:
+            write_ref_cache(out, shard.pair_ids, chosen, rejected, key)
+        tokens = int(shard.arrays["chosen_len"].sum() + shard.arrays["rejected_len"].sum())
+        figures[out.stem] = {
+            "pairs": len(shard),
+            "tokens": tokens,
+            "seconds": elapsed,
+            "tokens_per_s": tokens / elapsed,
+            "key": key,
+        }
+    return figures, info

@@ -10,74 +10,52 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from align.config import SftConfig
-from align.data.loader import SftShard, step_rows
+from align.data.loader import SftShard
 from align.data.sft import tokenize_sft_splits
 from align.eval.generation import greedy_generate
 from align.eval.nll import mean_nll
-from align.model import load_pretrained
-from align.model.checkpoint import save_hf_checkpoint
 from align.model.tokenizer import load_tokenizer
 from align.paths import RunPaths
 from align.train.adapters import SftAdapter
-from align.train.optim import build_optimizer, build_scheduler, training_horizon
-from align.train.trainer import Trainer
-
-
-def load_policy(path: str | Path, model_cfg, device: str):
-    return load_pretrained(
-        path,
-        device=device,
-        dtype=getattr(torch, model_cfg.dtype),
-        attn_implementation=model_cfg.attn_implementation,
-    )
+from align.train.session import build_trainer, export_policy, load_policy, start_session
 
 
 def run_sft(cfg: SftConfig, paths: RunPaths) -> dict[str, Any]:
-    torch.manual_seed(cfg.batch.seed)
+    info = start_session(paths.sft_run_dir, cfg.run, cfg.batch)
     tokenizer = load_tokenizer(cfg.run.base_model)
     arrays = tokenize_sft_splits(cfg.data, tokenizer)
     train, held = SftShard(arrays["train"]), SftShard(arrays["held"])
-    model = load_policy(cfg.run.base_model, cfg.model, cfg.run.device)
-    optimizer = build_optimizer(model, cfg.optimizer)
-    horizon = training_horizon(len(train), cfg.batch)
-    trainer = Trainer(
+    model = load_policy(cfg.run.base_model, cfg.model, info, cfg.trainer)
+    trainer = build_trainer(
         model,
+        train,
         SftAdapter(),
-        optimizer,
-        build_scheduler(optimizer, cfg.optimizer, horizon),
-        cfg.optimizer.grad_clip,
-        paths.sft_run_dir / "metrics.jsonl",
+        optim=cfg.optimizer,
+        batch=cfg.batch,
+        trainer=cfg.trainer,
+        run_dir=paths.sft_run_dir,
+        stage="sft",
+        info=info,
     )
-    batches = (
-        [train.collate(rows) for rows in step]
-        for step in step_rows(
-            len(train),
-            cfg.batch.seed,
-            cfg.batch.epochs,
-            cfg.batch.global_batch,
-            cfg.batch.micro_batch,
-        )
-    )
-    summary = trainer.fit(batches, horizon)
-    save_hf_checkpoint(model, paths.sft_checkpoint, tokenizer_dir=cfg.run.base_model)
+    summary = trainer.fit()
+    export_policy(model, info, cfg.run.base_model, paths.sft_checkpoint)
     return {
+        "world_size": info.world_size,
         "train_rows": len(train),
         "held_rows": len(held),
-        "horizon_steps": horizon,
         "training": summary,
-        "held_nll": mean_nll(model, held, cfg.eval.batch_size),
-    }
+        "held_nll": mean_nll(model, held, cfg.eval.batch_size, info),
+    }, info
 
 
-def evaluate_sft_gate(cfg: SftConfig, checkpoint: Path) -> dict[str, Any]:
+def evaluate_sft_gate(cfg: SftConfig, checkpoint: Path, run_dir: Path) -> dict[str, Any]:
     """Held-out NLL and greedy-generation sanity of `checkpoint`, with pass/fail per check."""
+    info = start_session(run_dir, cfg.run, None)
     tokenizer = load_tokenizer(checkpoint)
     held = SftShard(tokenize_sft_splits(cfg.data, tokenizer)["held"])
-    model = load_policy(checkpoint, cfg.model, cfg.run.device)
-    nll = mean_nll(model, held, cfg.eval.batch_size)
+    model = load_policy(checkpoint, cfg.model, info)
+    nll = mean_nll(model, held, cfg.eval.batch_size, info)
     generations = []
     a = held.arrays
     for row in range(min(cfg.gate.generation_prompts, len(held))):

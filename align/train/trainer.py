@@ -1,80 +1,280 @@
-"""The step loop shared by SFT and DPO: accumulate micro-batches, clip, step, log.
+"""The stage-generic step loop that SFT and DPO share, correct on 1..N ranks.
 
-One JSON line of metrics per optimizer step goes to `metrics_path`; a non-finite
-loss or gradient norm skips the optimizer step and is counted.
+Per optimizer step: this rank's micro-batches, loss normalized by the global
+denominator, gradient clip, a step skipped on every rank together when the loss
+or norm is not finite, one JSON line of metrics (rank 0). Stops (SIGTERM, SIGUSR1,
+max_wall_seconds) are agreed across ranks at a step boundary, saved, and end in
+exit 75; a resumed run continues from the newest valid checkpoint exactly.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import resource
+import signal
+import sys
 import time
-from collections import defaultdict
-from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from align.data.loader import TokenBatch
+from align.config import TrainerConfig
+from align.exit_codes import AlignError, ResumableStop
+from align.receipts import write_json_atomic
+from align.train.checkpointing import CheckpointManager
+from align.utils.dist import DistInfo, all_reduce_sum, any_rank
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class TrainingDiverged(AlignError):
+    """Too many optimizer steps were skipped for non-finite loss or gradients."""
+
+
+class StopRequest:
+    """Set by SIGTERM / SIGUSR1; read at the next optimizer-step boundary."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous = {}
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.signal = signum
+
+
+@dataclass
+class TrainState:
+    """Counters that a checkpoint restores; the step is also the sampler position."""
+
+    step: int = 0
+    micro_step: int = 0
+    skipped_steps: int = 0
+    consecutive_skipped: int = 0
+    step_times: list[float] = field(default_factory=list)
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class Trainer:
-    def __init__(self, model, adapter, optimizer, scheduler, grad_clip: float, metrics_path: Path):
-        self.model = model
-        self.adapter = adapter
-        self.optimizer = optimizer
-        self.scheduler = scheduler
-        self.grad_clip = grad_clip
-        self.metrics_path = Path(metrics_path)
-        self.step = 0
-        self.skipped_steps = 0
-        self.last_metrics: dict[str, float] = {}
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        model,
+        source,
+        adapter,
+        optimizer,
+        scheduler,
+        run_dir: str | Path,
+        stage: str,
+        info: DistInfo,
+        grad_clip: float,
+    ):
+        self.cfg, self.model, self.source, self.adapter = cfg, model, source, adapter
+        self.optimizer, self.scheduler, self.grad_clip = optimizer, scheduler, grad_clip
+        self.run_dir, self.stage, self.info = Path(run_dir), stage, info
+        self.checkpoints = CheckpointManager(self.run_dir, info, cfg.keep_checkpoints)
+        self.state = TrainState()
+        self.last_metrics: dict[str, Any] = {}
+        self.stop = StopRequest()
+        self.started = time.monotonic()
+        self.resumed_from: str | None = None
 
-    def train_step(self, micro_batches: list[TokenBatch]) -> dict[str, float]:
+    @property
+    def metrics_path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def prepare(self) -> None:
+        """Resume from the newest valid checkpoint, or rotate stale ones away for a fresh run."""
+        if self.info.is_main:
+            self.stop_marker.unlink(missing_ok=True)
+        latest = self.checkpoints.latest() if self.cfg.resume else None
+        if latest is None:
+            self.checkpoints.rotate_stale()
+            if self.info.is_main:
+                self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+                self.metrics_path.write_text("")
+            return
+        saved = self.checkpoints.load(latest, self.model, self.optimizer)
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.state = TrainState(**saved["trainer"])
+        self.resumed_from = str(latest.path)
+        if self.info.is_main:
+            print(
+                f"align {self.stage}: resumed from {latest.path} at step {self.state.step}",
+                file=sys.stderr,
+            )
+            self._truncate_metrics(self.state.step)
+
+    def _truncate_metrics(self, steps: int) -> None:
+        """Drop metric lines past the checkpoint so the log matches the restored state."""
+        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
+        self.metrics_path.write_text("".join(line + "\n" for line in lines[:steps]))
+
+    def train_step(self) -> dict[str, Any]:
         self.model.train()
         started = time.perf_counter()
-        denominator = self.adapter.step_denominator(micro_batches)
-        sums: dict[str, float] = defaultdict(float)
+        micro_batches = self.source.micro_batches(self.state.step)
+        local_denominator = self.adapter.step_denominator(micro_batches)
+        (denominator,) = all_reduce_sum([local_denominator])
+        sums = dict.fromkeys(self.adapter.metric_keys, 0.0)
         tokens = 0
         for batch in micro_batches:
             loss, batch_sums = self.adapter.loss(self.model, batch, denominator)
-            loss.backward()
+            # FSDP averages gradients over ranks; the loss is already a share of the global
+            # mean, so scale it back to a sum (gloo cannot pre-multiply in the reduction).
+            (loss * self.info.world_size).backward()
             for key, value in batch_sums.items():
                 sums[key] += value
             tokens += int(batch.attention_mask.sum())
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
+        reduced = all_reduce_sum([*sums.values(), tokens])
+        sums, tokens = dict(zip(sums, reduced[:-1], strict=True)), reduced[-1]
+        grad_norm = _to_float(
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        )
         metrics = self.adapter.summarize(sums)
-        skipped = not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm))
+        skipped = any_rank(not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)))
         lr = self.scheduler.get_last_lr()[0]
-        if skipped:
-            self.skipped_steps += 1
-        else:
+        if not skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         elapsed = time.perf_counter() - started
+        self._count(skipped, elapsed, len(micro_batches))
         metrics.update(
-            step=self.step,
+            step=self.state.step - 1,
+            micro_step=self.state.micro_step,
             lr=lr,
             grad_norm=grad_norm,
             skipped=skipped,
+            tokens=tokens,
             tokens_per_s=tokens / elapsed,
             step_time_s=elapsed,
         )
-        self.step += 1
-        self.last_metrics = metrics
         return metrics
 
-    def fit(self, steps: Iterable[list[TokenBatch]], total: int) -> dict[str, float]:
-        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        with (
-            open(self.metrics_path, "w") as log,
-            tqdm(total=total, desc=self.adapter.name, mininterval=5) as bar,
-        ):
-            for micro_batches in steps:
-                metrics = self.train_step(micro_batches)
-                log.write(json.dumps(metrics) + "\n")
+    def _count(self, skipped: bool, elapsed: float, micro: int) -> None:
+        s = self.state
+        s.step += 1
+        s.micro_step += micro
+        s.step_times.append(elapsed)
+        s.skipped_steps += skipped
+        s.consecutive_skipped = s.consecutive_skipped + 1 if skipped else 0
+        if s.consecutive_skipped > self.cfg.max_consecutive_skipped_steps:
+            raise TrainingDiverged(
+                f"{s.consecutive_skipped} consecutive steps skipped for non-finite loss or gradient norm "
+                f"(trainer.max_consecutive_skipped_steps={self.cfg.max_consecutive_skipped_steps})"
+            )
+        if s.skipped_steps > self.cfg.max_skipped_fraction * len(self.source):
+            raise TrainingDiverged(
+                f"{s.skipped_steps} of {len(self.source)} steps skipped, over "
+                f"trainer.max_skipped_fraction={self.cfg.max_skipped_fraction}"
+            )
+
+    def fit(self, on_step=None) -> dict[str, Any]:
+        """Run to the horizon (or max_micro_steps); `on_step(metrics)` sees every step's metrics."""
+        self.prepare()
+        self.stop.install()
+        total = len(self.source)
+        bar = tqdm(
+            total=total,
+            initial=self.state.step,
+            desc=self.stage,
+            disable=not (self.info.is_main and sys.stderr.isatty()),
+        )
+        try:
+            while self.state.step < total:
+                metrics = self.train_step()
+                self.last_metrics = metrics
+                self._log(metrics)
                 bar.update(1)
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
-        return {"steps": self.step, "skipped_steps": self.skipped_steps, "final": self.last_metrics}
+                if on_step is not None:
+                    on_step(metrics)
+                if self._capped():
+                    break
+                if self._stop_requested():
+                    checkpoint = self.save()
+                    self._leave_stop_marker(checkpoint.path)
+                    raise ResumableStop(
+                        f"{self.stage} stopped at step {self.state.step}/{total} "
+                        f"({self._stop_reason()}); checkpoint saved, a retry resumes"
+                    )
+                if self.cfg.checkpoint_every and self.state.step % self.cfg.checkpoint_every == 0:
+                    self.save()
+        finally:
+            bar.close()
+            self.stop.uninstall()
+        return self.summary()
+
+    def _capped(self) -> bool:
+        return bool(self.cfg.max_micro_steps) and self.state.micro_step >= self.cfg.max_micro_steps
+
+    def _stop_reason(self) -> str:
+        return (
+            f"signal {signal.Signals(self.stop.signal).name}"
+            if self.stop.signal
+            else "max_wall_seconds"
+        )
+
+    def _stop_requested(self) -> bool:
+        over_time = (
+            bool(self.cfg.max_wall_seconds)
+            and time.monotonic() - self.started > self.cfg.max_wall_seconds
+        )
+        return any_rank(self.stop.signal is not None or over_time)
+
+    def save(self):
+        trainer_state = {
+            "trainer": self.state.__dict__,
+            "scheduler": self.scheduler.state_dict(),
+            "world_size": self.info.world_size,
+            "stage": self.stage,
+        }
+        return self.checkpoints.save(
+            self.state.micro_step, self.model, self.optimizer, trainer_state
+        )
+
+    @property
+    def stop_marker(self) -> Path:
+        return self.run_dir / "stopped.json"
+
+    def _leave_stop_marker(self, checkpoint: Path) -> None:
+        """Tells the launcher the stop was clean and resumable."""
+        if self.info.is_main:
+            write_json_atomic(
+                self.stop_marker, {"step": self.state.step, "checkpoint": str(checkpoint)}
+            )
+
+    def _log(self, metrics: dict[str, Any]) -> None:
+        if self.info.is_main:
+            with open(self.metrics_path, "a") as log:
+                log.write(json.dumps(metrics) + "\n")
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "steps": self.state.step,
+            "horizon_steps": len(self.source),
+            "micro_steps": self.state.micro_step,
+            "skipped_steps": self.state.skipped_steps,
+            "resumed_from": self.resumed_from,
+            "final": self.last_metrics,
+        }
+
+
+def _to_float(value) -> float:
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value)

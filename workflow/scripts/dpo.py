@@ -76,28 +76,27 @@ def main() -> None:
     cap_threads(cfg.run.threads)
     from align.model.weights_hash import weights_hash
     from align.train.dpo_stage import run_dpo
+    from align.utils.dist import destroy_distributed
 
     shards = {split: entry["shards"][split]["path"] for split in SPLITS}
-    figures = run_dpo(cfg, checkpoint, shards, caches, arm)
-    receipt = stage.receipt(
-        loaded,
-        PASSED,
-        descoped=False,
-        inputs={checkpoint: caches["train"][1]["checkpoint_weights"]},
-        outputs={str(arm.policy_dir): weights_hash(arm.policy_dir)},
-        figures=figures,
-        checkpoint=checkpoint,
-        forward_impl=forward_impl,
-        policy=str(arm.policy_dir),
-        **common,
-    )
-    stage.write(arm.arm_result, receipt)
-    held = figures["held_out"]
-    print(
-        f"align dpo: arm {cfg.arm} held-out preference accuracy sft {held['sft']['accuracy']:.3f} -> "
-        f"policy {held['policy']['accuracy']:.3f} [{held['policy']['ci_low']:.3f}, {held['policy']['ci_high']:.3f}]",
-        file=sys.stderr,
-    )
+    figures, info = run_dpo(cfg, checkpoint, shards, caches, arm)
+    if info.is_main:
+        receipt = stage.receipt(
+            loaded, PASSED, descoped=False,
+            inputs={checkpoint: caches["train"][1]["checkpoint_weights"]},
+            outputs={str(arm.policy_dir): weights_hash(arm.policy_dir)},
+            figures=figures, checkpoint=checkpoint, forward_impl=forward_impl, policy=str(arm.policy_dir),
+            **common,
+        )
+        stage.write(arm.arm_result, receipt)
+        held = figures["held_out"]
+        print(
+            f"align dpo: arm {cfg.arm} held-out preference accuracy sft {held['sft']['accuracy']:.3f} -> "
+            f"policy {held['policy']['accuracy']:.3f} "
+            f"[{held['policy']['ci_low']:.3f}, {held['policy']['ci_high']:.3f}]",
+            file=sys.stderr,
+        )
+    destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -23,27 +23,23 @@ def main() -> None:
     entry = stage_gates.manifest_entry(paths, cfg)
     cap_threads(cfg.run.threads)
     from align.train.ref_cache import expected_key, forward_impl_name
-    from align.train.ref_precompute import precompute_ref_cache
+    from align.train.ref_precompute import precompute_ref_caches
+    from align.utils.dist import destroy_distributed
 
     forward_impl = forward_impl_name(cfg.ref.attn_implementation, cfg.ref.dtype, cfg.ref.batch_size)
-    outputs, figures = {}, {}
+    jobs = []
     for split in SPLITS:
         shard = entry["shards"][split]["path"]
-        key = expected_key(
-            checkpoint, shard, cfg.data.seq_len, cfg.data.truncation, cfg.ref.dtype, forward_impl
+        key = expected_key(checkpoint, shard, cfg.data.seq_len, cfg.data.truncation, cfg.ref.dtype, forward_impl)
+        jobs.append((shard, arm.ref_cache(forward_impl, split), key))
+    figures, info = precompute_ref_caches(checkpoint, jobs, cfg.ref, cfg.run, arm.ref_dir(forward_impl))
+    if info.is_main:
+        receipt = stage.receipt(
+            loaded, PASSED, inputs={checkpoint: jobs[0][2]["checkpoint_weights"]},
+            outputs={str(out): hash_file(out) for _, out, _ in jobs}, figures=figures, forward_impl=forward_impl,
         )
-        out = arm.ref_cache(forward_impl, split)
-        figures[split] = precompute_ref_cache(checkpoint, shard, out, key, cfg.ref, cfg.run.device)
-        outputs[str(out)] = hash_file(out)
-    receipt = stage.receipt(
-        loaded,
-        PASSED,
-        inputs={checkpoint: figures["train"]["key"]["checkpoint_weights"]},
-        outputs=outputs,
-        figures=figures,
-        forward_impl=forward_impl,
-    )
-    stage.write(arm.ref_receipt(forward_impl), receipt)
+        stage.write(arm.ref_receipt(forward_impl), receipt)
+    destroy_distributed()
 
 
 if __name__ == "__main__":

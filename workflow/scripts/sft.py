@@ -1,4 +1,4 @@
-"""SFT stage: train the starting policy from the base model (rule `sft`)."""
+"""SFT stage: train the starting policy from the base model (rule `sft`, under torchrun)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ def main() -> None:
     cap_threads(cfg.run.threads)
     from align.model.weights_hash import weights_hash
     from align.train.sft_stage import run_sft
+    from align.utils.dist import destroy_distributed
 
-    figures = run_sft(cfg, paths)
-    outputs = {str(paths.sft_checkpoint): weights_hash(paths.sft_checkpoint)}
-    inputs = {str(cfg.run.base_model): weights_hash(cfg.run.base_model)}
-    stage.write(
-        paths.sft_receipt,
-        stage.receipt(loaded, PASSED, inputs=inputs, outputs=outputs, figures=figures),
-    )
+    figures, info = run_sft(cfg, paths)
+    if info.is_main:
+        outputs = {str(paths.sft_checkpoint): weights_hash(paths.sft_checkpoint)}
+        inputs = {str(cfg.run.base_model): weights_hash(cfg.run.base_model)}
+        stage.write(paths.sft_receipt, stage.receipt(loaded, PASSED, inputs=inputs, outputs=outputs, figures=figures))
+    destroy_distributed()
 
 
 if __name__ == "__main__":

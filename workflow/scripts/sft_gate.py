@@ -23,8 +23,9 @@ def main() -> None:
     cap_threads(cfg.run.threads)
     from align.model.weights_hash import weights_hash
     from align.train.sft_stage import evaluate_sft_gate
+    from align.utils.dist import destroy_distributed
 
-    result = evaluate_sft_gate(cfg, checkpoint)
+    result = evaluate_sft_gate(cfg, checkpoint, paths.sft_dir / "gate_run")
     receipt = stage.receipt(
         loaded,
         PASSED if result["passed"] else FAILED,
@@ -39,6 +40,7 @@ def main() -> None:
         failed = {name: check for name, check in result["checks"].items() if not check["passed"]}
         raise GateRefused("sft_gate", f"{checkpoint}: failed checks {json.dumps(failed)}")
     stage.write(paths.sft_gate, receipt)
+    destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,364 @@
+"""The equivalence gate of the Triton flash-attention kernel, and its receipts.
+
+`run_gate` compares `flash_attention` on seeded random inputs with PyTorch's
+scaled_dot_product_attention in float64 (explicit boolean masks, K/V repeated per
+query head) over the pre-registered `EQUIVALENCE_GRID`: the output and dq, dk, dv,
+each by relative error max|kernel - reference| / max|reference| against
+`THRESHOLDS`. The max-based error is used rather than a norm so that one wrong row
+(a block boundary, a padding edge) cannot hide in a long average. A receipt is keyed
+by everything the result depends on (kernel source, triton, torch, device) and
+sealed by a hash of its contents; `verify_receipt` refuses a missing, tampered,
+stale or failed one, and the attention selector asks it before "triton_fa2" may run.
+
+CLI: python -m align.kernels.equivalence [--out PATH] [--device cuda:N]
+(exit 0 passed, 3 failed; the receipt is written either way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from align.exit_codes import ConfigError, GateRefused, run_with_exit_codes
+from align.receipts import hash_file, hash_json, now_iso, read_json, write_json_atomic
+
+BACKEND = "triton_fa2"
+KERNEL_SOURCE = Path(__file__).with_name("flash_attn.py")
+RECEIPTS_ENV = "ALIGN_KERNEL_RECEIPTS"
+DEFAULT_RECEIPTS_DIR = Path("~/.cache/align/kernels")
+RECEIPT_SCHEMA = 1
+GATE_COMMAND = "python -m align.kernels.equivalence"
+METRIC = (
+    "max|kernel - reference| / max|reference| per tensor (out, dq, dk, dv); reference: "
+    "scaled_dot_product_attention in float64 on the same rounded inputs"
+)
+TENSORS = ("out", "dq", "dk", "dv")
+KEY_COMPONENTS = {
+    "kernel_source_sha256": "kernel source (sha256 of align/kernels/flash_attn.py)",
+    "triton_version": "triton version",
+    "torch_version": "torch version",
+    "device_name": "device name",
+    "cuda_capability": "CUDA capability",
+}
+
+
+@dataclass(frozen=True)
+class GateShape:
+    """One pre-registered case; `seq_lens` None means every row has full length."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    length: int
+    head_dim: int
+    dtype: str
+    seq_lens: tuple[int, ...] | None = None
+    causal: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        shape = asdict(self)
+        shape["seq_lens"] = list(self.seq_lens) if self.seq_lens is not None else None
+        return shape
+
+
+# The GPU kernels block queries by 32..128 and keys by 32..128: lengths 129, 300, 1000
+# and 4097 end mid-block; seq_lens include a single-token and an empty row.
+EQUIVALENCE_GRID: tuple[GateShape, ...] = (
+    GateShape(1, 8, 8, 512, 64, "bfloat16"),
+    GateShape(2, 8, 2, 300, 64, "float16", (300, 177)),
+    GateShape(3, 4, 1, 129, 64, "bfloat16", (129, 1, 0)),
+    GateShape(2, 4, 2, 200, 128, "float16", (200, 64), causal=False),
+    GateShape(2, 32, 8, 1000, 128, "bfloat16", (1000, 513)),
+    GateShape(2, 32, 8, 2048, 128, "bfloat16"),
+    GateShape(2, 32, 8, 2048, 128, "float16", (2048, 1237)),
+    GateShape(1, 32, 8, 4097, 128, "bfloat16", (4001,)),
+)
+
+# About 4 unit roundoffs of the input dtype for the output (bf16 2^-8, fp16 2^-11) and 8
+# for the gradients, whose 16-bit probability tiles are rounded twice; fp16 runs of this
+# kernel under the interpreter measure about 1 roundoff, as does SDPA in fp16.
+THRESHOLDS: dict[str, dict[str, float]] = {
+    "bfloat16": {"out": 1.5e-2, "dq": 3e-2, "dk": 3e-2, "dv": 3e-2},
+    "float16": {"out": 2e-3, "dq": 4e-3, "dk": 4e-3, "dv": 4e-3},
+}
+GATED_DTYPES = frozenset(getattr(torch, shape.dtype) for shape in EQUIVALENCE_GRID)
+GATED_HEAD_DIMS = frozenset(shape.head_dim for shape in EQUIVALENCE_GRID)
+
+
+def kernel_key(
+    device_name: str, cuda_capability: str, kernel_source: Path = KERNEL_SOURCE
+) -> dict[str, str]:
+    """What a receipt's result depends on, for a device named by the caller."""
+    import triton  # triton alone; this package's kernels are decorated only when first run
+
+    return {
+        "kernel_source_sha256": hash_file(kernel_source),
+        "triton_version": triton.__version__,
+        "torch_version": torch.__version__,
+        "device_name": device_name,
+        "cuda_capability": cuda_capability,
+    }
+
+
+def device_key(device: torch.device | str) -> dict[str, str]:
+    """The receipt key for the CUDA device `device` of this process."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(
+            f"the {BACKEND} kernel needs a CUDA device, got {device} "
+            f"(CUDA available: {torch.cuda.is_available()}); there is no fallback"
+        )
+    major, minor = torch.cuda.get_device_capability(device)
+    return kernel_key(torch.cuda.get_device_name(device), f"{major}.{minor}")
+
+
+def receipts_dir() -> Path:
+    """$ALIGN_KERNEL_RECEIPTS, else ~/.cache/align/kernels."""
+    return Path(os.environ.get(RECEIPTS_ENV) or DEFAULT_RECEIPTS_DIR).expanduser()
+
+
+def receipt_path(key: dict[str, str], directory: Path | None = None) -> Path:
+    """One receipt per device, so a receipt from older software there reads as stale."""
+    device = re.sub(r"[^A-Za-z0-9]+", "_", key["device_name"]).strip("_") or "device"
+    capability = key["cuda_capability"].replace(".", "")
+    return (directory or receipts_dir()) / f"{BACKEND}-{device}-sm{capability}.json"
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: torch.Tensor,
+    causal: bool = True,
+) -> torch.Tensor:
+    """SDPA with an explicit mask in q's dtype; padding rows are zero, as the kernel's."""
+    length = q.shape[2]
+    group = q.shape[1] // k.shape[1]
+    positions = torch.arange(length, device=q.device)
+    real = positions[None, :] < seq_lens[:, None].to(q.device)
+    allowed = real[:, None, None, :]
+    if causal:
+        allowed = allowed & (positions[None, :] <= positions[:, None])
+    row_real = real[:, None, :, None]
+    # A padding row attends to every key, so no row is empty (NaN), and is then zeroed.
+    mask = allowed | ~row_real
+    out = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), attn_mask=mask
+    )
+    return out * row_real
+
+
+def _forward_backward(
+    attention_fn: Callable[..., torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    grad_out: torch.Tensor,
+    compute_dtype: torch.dtype,
+    seq_lens: torch.Tensor,
+    causal: bool,
+) -> dict[str, torch.Tensor]:
+    q, k, v = (x.detach().to(compute_dtype).requires_grad_() for x in inputs)
+    out = attention_fn(q, k, v, seq_lens, causal)
+    out.backward(grad_out.to(compute_dtype))
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def relative_error(found: torch.Tensor, reference: torch.Tensor) -> float:
+    """max|found - reference| / max|reference|; absolute when the reference is all zero."""
+    diff = (found.double() - reference.double()).abs().max().item()
+    scale = reference.double().abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+def measure_shape(shape: GateShape, device: torch.device, seed: int) -> dict[str, Any]:
+    """Errors of the kernel (and, for context, of SDPA in the same dtype) on one shape."""
+    from align.kernels.flash_attn import flash_attention  # importing decorates the kernels
+
+    generator = torch.Generator(device=device).manual_seed(seed)
+    dtype = getattr(torch, shape.dtype)
+
+    def draw(heads: int) -> torch.Tensor:
+        size = (shape.batch, heads, shape.length, shape.head_dim)
+        return torch.randn(size, generator=generator, device=device).to(dtype)
+
+    inputs = (draw(shape.q_heads), draw(shape.kv_heads), draw(shape.kv_heads))
+    grad_out = draw(shape.q_heads)
+    lengths = shape.seq_lens or (shape.length,) * shape.batch
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+
+    def kernel(q, k, v, lens, causal):
+        return flash_attention(q, k, v, seq_lens=lens, causal=causal)
+
+    def run(attention_fn: Callable[..., torch.Tensor], compute_dtype: torch.dtype) -> dict:
+        return _forward_backward(
+            attention_fn, inputs, grad_out, compute_dtype, seq_lens, shape.causal
+        )
+
+    reference = run(reference_attention, torch.float64)
+    found = run(kernel, dtype)
+    baseline = run(reference_attention, dtype)
+    thresholds = THRESHOLDS[shape.dtype]
+    errors = {name: relative_error(found[name], reference[name]) for name in TENSORS}
+    return {
+        "shape": shape.as_dict(),
+        "seed": seed,
+        "errors": errors,
+        "thresholds": thresholds,
+        "passed": _within(errors, thresholds),
+        "sdpa_same_dtype_errors": {
+            name: relative_error(baseline[name], reference[name]) for name in TENSORS
+        },
+    }
+
+
+def _over_threshold(errors: dict[str, float], thresholds: dict[str, float]) -> list[str]:
+    """The tensors whose error is above its threshold or not finite."""
+    return [
+        name
+        for name in TENSORS
+        if not (math.isfinite(errors[name]) and errors[name] <= thresholds[name])
+    ]
+
+
+def _within(errors: dict[str, float], thresholds: dict[str, float]) -> bool:
+    return not _over_threshold(errors, thresholds)
+
+
+def seal_receipt(key: dict[str, str], results: list[dict[str, Any]], seconds: float) -> dict:
+    """The receipt for per-shape `results` under `key`, with its contents hash."""
+    body = {
+        "schema_version": RECEIPT_SCHEMA,
+        "backend": BACKEND,
+        "key": key,
+        "metric": METRIC,
+        "thresholds": THRESHOLDS,
+        "results": results,
+        "passed": bool(results) and all(result["passed"] for result in results),
+        "seconds": round(seconds, 3),
+        "finished_at": now_iso(),
+    }
+    return {**body, "receipt_sha256": hash_json(body)}
+
+
+def run_gate(
+    device: torch.device | str,
+    key: dict[str, str],
+    grid: Sequence[GateShape] = EQUIVALENCE_GRID,
+) -> dict[str, Any]:
+    """Measure every shape of `grid` on `device`; the sealed receipt (not yet written)."""
+    device = torch.device(device)
+    started = time.perf_counter()
+    results = []
+    for seed, shape in enumerate(grid):
+        results.append(measure_shape(shape, device, seed))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the float64 references of the long shapes are GBs
+    return seal_receipt(key, results, time.perf_counter() - started)
+
+
+def verify_receipt(path: Path, key: dict[str, str]) -> dict[str, Any]:
+    """The receipt at `path` if it is sealed, current for `key` and passed; else ValueError."""
+    rerun = f"run `{GATE_COMMAND}` on this machine to prove the kernel"
+    if not path.is_file():
+        raise ValueError(f"{BACKEND} refused: no equivalence receipt at {path}; {rerun}")
+    try:
+        receipt = read_json(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{BACKEND} refused: unreadable receipt {path} ({err}); {rerun}") from err
+    _check_sealed(receipt, path)
+    _check_current(receipt, path, key, rerun)
+    _check_passed(receipt, path)
+    return receipt
+
+
+def _check_sealed(receipt: Any, path: Path) -> None:
+    tampered = f"{BACKEND} refused: receipt {path} is tampered or corrupt"
+    if not isinstance(receipt, dict):
+        raise ValueError(f"{tampered} (not a JSON object)")
+    body = {name: value for name, value in receipt.items() if name != "receipt_sha256"}
+    if receipt.get("receipt_sha256") != hash_json(body):
+        raise ValueError(f"{tampered} (its receipt_sha256 does not match its contents)")
+    try:
+        results = receipt["results"]
+        verdicts = [_within(result["errors"], result["thresholds"]) for result in results]
+        consistent = receipt["passed"] == (bool(results) and all(verdicts)) and all(
+            result["passed"] == verdict for result, verdict in zip(results, verdicts, strict=True)
+        )
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{tampered} (malformed: {err!r})") from err
+    if not consistent:
+        raise ValueError(f"{tampered} (its verdicts disagree with its own errors and thresholds)")
+
+
+def _check_current(receipt: dict, path: Path, key: dict[str, str], rerun: str) -> None:
+    stale = []
+    if receipt.get("schema_version") != RECEIPT_SCHEMA:
+        stale.append(("receipt schema", RECEIPT_SCHEMA, receipt.get("schema_version")))
+    recorded = receipt.get("key") or {}
+    for component, label in KEY_COMPONENTS.items():
+        if recorded.get(component) != key[component]:
+            stale.append((label, key[component], recorded.get(component)))
+    grid = [shape.as_dict() for shape in EQUIVALENCE_GRID]
+    if [result.get("shape") for result in receipt.get("results", [])] != grid:
+        stale.append(("equivalence grid", f"{len(grid)} pre-registered shapes", "another grid"))
+    if receipt.get("thresholds") != THRESHOLDS:
+        stale.append(("thresholds", THRESHOLDS, receipt.get("thresholds")))
+    if stale:
+        changes = "; ".join(
+            f"{label} is {now!r} but the receipt has {then!r}" for label, now, then in stale
+        )
+        raise ValueError(f"{BACKEND} refused: receipt {path} is stale: {changes}; {rerun}")
+
+
+def _check_passed(receipt: dict, path: Path) -> None:
+    if receipt["passed"]:
+        return
+    failures = [
+        f"{result['shape']}: {name} {result['errors'][name]:.3g} > {result['thresholds'][name]:.3g}"
+        for result in receipt["results"]
+        for name in _over_threshold(result["errors"], result["thresholds"])
+    ]
+    raise ValueError(
+        f"{BACKEND} refused: receipt {path} records a FAILED equivalence run: "
+        + ("; ".join(failures[:3]) or "no shapes measured")
+    )
+
+
+def require_proven_kernel(device: torch.device | str) -> dict[str, Any]:
+    """The passed, current receipt for the kernel on CUDA `device`; ValueError otherwise."""
+    key = device_key(device)
+    return verify_receipt(receipt_path(key), key)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=GATE_COMMAND, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="receipt path (default: the per-device path)")
+    parser.add_argument("--device", default="cuda", help="CUDA device to prove (default: cuda)")
+    args = parser.parse_args(argv)
+    try:
+        key = device_key(args.device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    out = args.out or receipt_path(key)
+    receipt = run_gate(args.device, key)
+    write_json_atomic(out, receipt)
+    for result in receipt["results"]:
+        errors = " ".join(f"{name}={result['errors'][name]:.2e}" for name in TENSORS)
+        print(f"{'ok  ' if result['passed'] else 'FAIL'} {result['shape']} {errors}")
+    if not receipt["passed"]:
+        raise GateRefused("kernel-equivalence", f"{BACKEND} failed its equivalence gate; see {out}")
+    print(f"{BACKEND} passed its equivalence gate; receipt {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_with_exit_codes(main, "kernel-equivalence")

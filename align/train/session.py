@@ -1,0 +1,92 @@
+"""A training session, built the same way by every stage: the process group and its
+launch checks, the sharded policy, the trainer over this rank's batches, the export.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from align.config import BatchConfig, ModelConfig, OptimizerConfig, RunConfig, TrainerConfig
+from align.data.loader import BatchSource
+from align.data.sampler import StepSampler
+from align.model.checkpoint import save_hf_state
+from align.model.hf_config import load_hf_config
+from align.train.fsdp import gather_full_state, load_sharded
+from align.train.optim import (
+    assert_horizon_consistent,
+    build_optimizer,
+    build_scheduler,
+    training_horizon,
+)
+from align.train.trainer import Trainer
+from align.utils.dist import (
+    DistInfo,
+    assert_distinct_devices,
+    assert_launch_topology,
+    init_distributed,
+)
+
+
+def start_session(run_dir: str | Path, run: RunConfig, batch: BatchConfig | None) -> DistInfo:
+    """Join the process group; refuse a launch whose topology or devices are wrong."""
+    info = init_distributed(run_dir, run.device)
+    if batch is not None:
+        assert_launch_topology(batch, info.world_size)
+    assert_distinct_devices(info)
+    torch.manual_seed(batch.seed if batch is not None else 0)
+    return info
+
+
+def load_policy(
+    path: str | Path, model_cfg: ModelConfig, info: DistInfo, trainer: TrainerConfig | None = None
+):
+    return load_sharded(
+        path,
+        info,
+        model_cfg.dtype,
+        model_cfg.attn_implementation,
+        activation_checkpointing=bool(trainer and trainer.activation_checkpointing),
+    )
+
+
+def build_trainer(
+    model,
+    shard,
+    adapter,
+    *,
+    optim: OptimizerConfig,
+    batch: BatchConfig,
+    trainer: TrainerConfig,
+    run_dir: str | Path,
+    stage: str,
+    info: DistInfo,
+) -> Trainer:
+    sampler = StepSampler(len(shard), batch, info.rank, info.world_size)
+    horizon = training_horizon(len(shard), batch)
+    assert_horizon_consistent(len(sampler), len(shard), batch)
+    optimizer = build_optimizer(model, optim)
+    return Trainer(
+        trainer,
+        model,
+        BatchSource(shard, sampler),
+        adapter,
+        optimizer,
+        build_scheduler(optimizer, optim, horizon),
+        run_dir,
+        stage,
+        info,
+        optim.grad_clip,
+    )
+
+
+def export_policy(
+    model, info: DistInfo, source_checkpoint: str | Path, out_dir: str | Path
+) -> None:
+    """Consolidate the shards on rank 0 and write an HF-format directory with the tokenizer."""
+    state = gather_full_state(model)
+    if info.is_main:
+        save_hf_state(
+            load_hf_config(source_checkpoint), state, out_dir, tokenizer_dir=source_checkpoint
+        )

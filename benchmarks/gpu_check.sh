@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One prepared run for a lent GPU machine, from the repo root: the triton_fa2 equivalence
+# gate, the attention benchmark, the selector on CUDA, and tests/test_flash_attn.py on the
+# GPU. Every step runs even when an earlier one failed; the exit status is non-zero when
+# any failed. Results land under $OUT (receipt, logs, benchmark table).
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:?set OUT to the folder the results go to}
+PYTHON=${PYTHON:-python3}
+TRITON_PIN=3.9.0
+PYTEST_PIN=9.2.0
+mkdir -p "$OUT/receipts"
+# The selector and the tests look for the receipt where the gate writes it.
+export ALIGN_KERNEL_RECEIPTS="$OUT/receipts"
+unset TRITON_INTERPRET
+failed=()
+
+step() {
+  local name=$1
+  shift
+  echo "=== $name"
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local status=${PIPESTATUS[0]}
+  if ((status == 0)); then
+    echo "=== $name: ok"
+  else
+    echo "=== $name: FAILED (exit $status)"
+    failed+=("$name")
+  fi
+}
+
+setup() {
+  # The machine keeps its own torch; only what is missing is installed.
+  $PYTHON -c "import align" 2>/dev/null ||
+    $PYTHON -m pip install --no-deps --no-build-isolation -e . || return 1
+  $PYTHON -c "import triton" 2>/dev/null || $PYTHON -m pip install "triton==$TRITON_PIN" || return 1
+  $PYTHON -c "import pytest" 2>/dev/null || $PYTHON -m pip install "pytest==$PYTEST_PIN" || return 1
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+  $PYTHON -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
+'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+}
+
+selector_on_cuda() {
+  $PYTHON - <<'PY'
+import torch
+
+from align.model.attention import attention, select_attn_implementation
+
+assert select_attn_implementation("triton_fa2", "cuda") == "triton_fa2"
+q = torch.randn(2, 32, 300, 128, device="cuda", dtype=torch.bfloat16)
+k = torch.randn(2, 8, 300, 128, device="cuda", dtype=torch.bfloat16)
+lengths = torch.tensor([300, 123], device="cuda", dtype=torch.int32)
+out = attention(q, k, k, lengths, "triton_fa2")
+assert out[1, :, 123:].abs().sum().item() == 0
+print("select_attn_implementation('triton_fa2', 'cuda') accepted the receipt; kernel ran")
+PY
+}
+
+step setup setup
+step equivalence $PYTHON -m align.kernels.equivalence
+step benchmark $PYTHON benchmarks/attention.py --out "$OUT/attention_benchmark.json"
+step selector selector_on_cuda
+step pytest $PYTHON -m pytest -q -p no:cacheprovider tests/test_flash_attn.py
+
+if ((${#failed[@]})); then
+  echo "gpu_check: FAILED steps: ${failed[*]}"
+  exit 1
+fi
+echo "gpu_check: all steps passed"

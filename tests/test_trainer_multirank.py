@@ -1,0 +1,171 @@
+"""The Trainer on 1 and 2 ranks (torchrun, gloo): equal to one process, exact resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from align.data.shards import PAIR_FORMAT, write_shard
+from align.exit_codes import RESUMABLE_STOP
+from align.model.tiny import make_tiny_model
+from align.model.tokenizer import train_bpe_tokenizer
+
+DRIVER = Path(__file__).parent / "drivers" / "train_tiny.py"
+N_PAIRS, SEQ = 24, 14
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("trainer")
+    texts = [f"{a} plus {b} is {a + b}." for a in range(10) for b in range(10)]
+    train_bpe_tokenizer(texts, 300, work / "tok")
+    make_tiny_model(
+        work / "base",
+        work / "tok",
+        seed=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    vocab = json.loads((work / "base" / "config.json").read_text())["vocab_size"]
+    rng = np.random.default_rng(0)
+    prompt_len = rng.integers(3, 6, N_PAIRS).astype(np.int32)
+    chosen_len = (prompt_len + rng.integers(3, SEQ - 6, N_PAIRS)).astype(np.int32)
+    rejected_len = (prompt_len + rng.integers(3, SEQ - 6, N_PAIRS)).astype(np.int32)
+    arrays = {
+        "pair_id": np.arange(N_PAIRS, dtype=np.int64),
+        "prompt_len": prompt_len,
+        "chosen_len": chosen_len,
+        "rejected_len": rejected_len,
+        "chosen_ids": rng.integers(4, vocab, (N_PAIRS, SEQ)).astype(np.int32),
+        "rejected_ids": rng.integers(4, vocab, (N_PAIRS, SEQ)).astype(np.int32),
+    }
+    write_shard(work / "pairs.safetensors", arrays, PAIR_FORMAT)
+    np.savez(
+        work / "ref.npz",
+        chosen=rng.normal(-20, 2, N_PAIRS).astype(np.float32),
+        rejected=rng.normal(-20, 2, N_PAIRS).astype(np.float32),
+    )
+    return work
+
+
+def topology(world: int) -> list[str]:
+    micro = 4 // world
+    return [
+        f"--batch.world_size={world}",
+        f"--micro_batch={micro}",
+        "--grad_accum=2",
+        "--global_batch=8",
+    ]
+
+
+COMMON = [
+    "--epochs=2",
+    "--lr=5e-3",
+    "--warmup_steps=1",
+    "--run.threads=1",
+    "--trainer.keep_checkpoints=2",
+]
+
+
+def train(workdir: Path, world: int, tag: str, *extra: str) -> subprocess.CompletedProcess:
+    args = [str(DRIVER), str(workdir), f"--tag={tag}", *topology(world), *COMMON, *extra]
+    if world == 1:
+        cmd = [sys.executable, *args]
+    else:
+        marker = workdir / f"run-{tag}" / "stopped.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "align.launch",
+            f"--nproc={world}",
+            f"--stop-marker={marker}",
+            *args,
+        ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+
+def weights(workdir: Path, tag: str) -> dict[str, np.ndarray]:
+    return load_file(str(workdir / f"out-{tag}" / "model.safetensors"))
+
+
+def metrics(workdir: Path, tag: str) -> list[dict]:
+    return [
+        json.loads(line)
+        for line in (workdir / f"run-{tag}" / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+def ok(run: subprocess.CompletedProcess) -> None:
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(workdir) -> dict[int, str]:
+    for world in (1, 2):
+        ok(train(workdir, world, f"full{world}"))
+    return {1: "full1", 2: "full2"}
+
+
+def test_two_ranks_equal_one_process_on_the_same_global_batch(workdir, uninterrupted):
+    one, two = metrics(workdir, "full1"), metrics(workdir, "full2")
+    assert len(one) == len(two) == 6
+    for a, b in zip(one, two, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], rel=1e-5, abs=1e-6)
+    w1, w2 = weights(workdir, "full1"), weights(workdir, "full2")
+    for name in w1:
+        np.testing.assert_allclose(w1[name], w2[name], rtol=0, atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sigterm_then_resume_ends_bitwise_equal_to_uninterrupted(workdir, uninterrupted, world):
+    tag = f"term{world}"
+    stopped = train(workdir, world, tag, "--signal-at-step=3")
+    assert stopped.returncode == RESUMABLE_STOP, stopped.stderr[-3000:]
+    assert "stopped at step 3/6" in stopped.stderr
+    ok(train(workdir, world, tag, "--trainer.resume=true"))
+    full, resumed = weights(workdir, uninterrupted[world]), weights(workdir, tag)
+    for name in full:
+        assert full[name].tobytes() == resumed[name].tobytes(), name
+    assert [m["loss"] for m in metrics(workdir, tag)] == [
+        m["loss"] for m in metrics(workdir, uninterrupted[world])
+    ]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sigkill_while_checkpointing_resumes_from_the_last_valid_one(workdir, uninterrupted, world):
+    tag = f"kill{world}"
+    killed = train(workdir, world, tag, "--trainer.checkpoint_every=1", "--kill-in-checkpoint-at=4")
+    assert killed.returncode != 0
+    checkpoints = workdir / f"run-{tag}" / "checkpoints"
+    assert (checkpoints / "micro_00000008.partial").is_dir()
+    resumed = train(workdir, world, tag, "--trainer.checkpoint_every=1", "--trainer.resume=true")
+    ok(resumed)
+    assert "skipping torn checkpoint" in resumed.stderr
+    assert "at step 3" in resumed.stderr
+    full, after = weights(workdir, uninterrupted[world]), weights(workdir, tag)
+    for name in full:
+        assert full[name].tobytes() == after[name].tobytes(), name
+
+
+def test_fresh_run_rotates_stale_checkpoints_aside(workdir, uninterrupted):
+    ok(train(workdir, 1, "rot", "--trainer.checkpoint_every=3"))
+    ok(train(workdir, 1, "rot", "--trainer.checkpoint_every=3"))
+    stale = [
+        p.name for p in (workdir / "run-rot").iterdir() if p.name.startswith("checkpoints.stale-")
+    ]
+    assert len(stale) == 1
