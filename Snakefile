@@ -21,14 +21,20 @@ include: "rules/sft.smk"
 include: "rules/data.smk"
 include: "rules/ref.smk"
 include: "rules/dpo.smk"
+include: "rules/select.smk"
+
+
+report: "report/workflow.rst"
 
 
 rule arms:
     input:
         [PATHS.arm(arm).arm_result for arm in ARMS],
+        PATHS.selection,
 
 
 rule all:
     default_target: True
     input:
         rules.arms.input,
+        rules.report_figures.output,

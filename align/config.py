@@ -48,6 +48,10 @@ class DataConfig:
     min_pairs: int = 1
     expected_train_pairs: int | None = None
     expected_held_pairs: int | None = None
+    # A pair whose rendered prompt alone has more tokens is removed as `prompt_over_budget`.
+    max_prompt_tokens: int | None = None
+    # For chat templates that refuse a system turn: prepend it to the user turn instead.
+    merge_system_into_user: bool = False
     filters: FilterConfig = field(default_factory=FilterConfig)
 
 
@@ -114,6 +118,45 @@ class TrainerConfig:
 
 
 @dataclass
+class PathBiasConfig:
+    """Step-0 check of the training forward path against the cache (mean |margin| in nats)."""
+
+    tolerance: float = 1e-3
+    sample_pairs: int = 64
+    seed: int = 0
+
+
+@dataclass
+class PreflightConfig:
+    """RSS projection terms that are not derived from the model: margins and overheads."""
+
+    host_memory_fraction: float = 0.9
+    rank_overhead_mb: float = 520.0
+    activation_factor: float = 24.0
+    calibration_tolerance: float = 0.2
+
+
+@dataclass
+class TripwireResponse:
+    """The pre-registered configuration of the single rerun after an alarm (unset = unchanged)."""
+
+    lr: float | None = None
+    beta: float | None = None
+    rpo_alpha: float | None = None
+
+
+@dataclass
+class TripwireConfig:
+    collapse: bool = True
+    logps_window: int = 64
+    chosen_logp_floor: float = -1.0
+    length_drift: bool = True
+    length_window_pairs: int = 128
+    length_band: float = 0.25
+    response: TripwireResponse = field(default_factory=TripwireResponse)
+
+
+@dataclass
 class EvalConfig:
     batch_size: int = 32
 
@@ -141,6 +184,9 @@ class ArmConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    path_bias: PathBiasConfig = field(default_factory=PathBiasConfig)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    tripwires: TripwireConfig = field(default_factory=TripwireConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -173,6 +219,37 @@ class SftConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     gate: SftGateConfig = field(default_factory=SftGateConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+@dataclass
+class PairedEvalConfig:
+    """The common held-out set every policy is scored on, and its paired statistics."""
+
+    eval_set: str = "union"
+    n_boot: int = 10000
+    seed: int = 0
+    confidence: float = 0.95
+
+
+@dataclass
+class LengthProbeConfig:
+    """Greedy generations on held-out prompts, so an arm that exploits length is visible."""
+
+    prompts: int = 16
+    max_new_tokens: int = 48
+
+
+@dataclass
+class SelectionConfig:
+    """The arm-selection pre-registration (config/selection.toml, section 13)."""
+
+    rule: str = "paired_accuracy"
+    default_arm: str = ""
+    paired: PairedEvalConfig = field(default_factory=PairedEvalConfig)
+    generation: LengthProbeConfig = field(default_factory=LengthProbeConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -295,16 +372,22 @@ def leaf_paths(cls: type, prefix: str = "") -> dict[str, Any]:
 
 
 def resolve_key(cls: type, key: str, where: str) -> tuple[str, Any]:
-    """Map `lr` or `optimizer.lr` to the one dotted key it names; refuse unknown or ambiguous."""
+    """Map `lr` or `optimizer.lr` to the one dotted key it names; refuse unknown or ambiguous.
+
+    A partial key resolves to the shallowest full key ending in it (`lr` is optimizer.lr,
+    not tripwires.response.lr); two candidates at that depth are ambiguous.
+    """
     leaves = leaf_paths(cls)
     if key in leaves:
         return key, leaves[key]
     matches = [k for k in leaves if k.endswith("." + key)]
-    if len(matches) == 1:
-        return matches[0], leaves[matches[0]]
     if not matches:
         raise ConfigError(f"{where}: override key {key!r} is not a config key")
-    raise ConfigError(f"{where}: override key {key!r} is ambiguous: {', '.join(sorted(matches))}")
+    depth = min(k.count(".") for k in matches)
+    shallowest = [k for k in matches if k.count(".") == depth]
+    if len(shallowest) == 1:
+        return shallowest[0], leaves[shallowest[0]]
+    raise ConfigError(f"{where}: override key {key!r} is ambiguous: {', '.join(sorted(shallowest))}")
 
 
 def parse_override(token: str, where: str) -> tuple[str, str]:
@@ -377,6 +460,12 @@ def validate(cfg: Any, where: str) -> None:
                 f"{where}: key 'data.truncation' expected one of {TRUNCATION_POLICIES}, "
                 f"found {cfg.data.truncation!r}"
             )
+        budget = cfg.data.max_prompt_tokens
+        if budget is not None and not 1 <= budget < cfg.data.seq_len:
+            raise ConfigError(
+                f"{where}: key 'data.max_prompt_tokens' expected an integer in "
+                f"[1, data.seq_len={cfg.data.seq_len}), found {budget!r}"
+            )
     for dotted, value, ok, expected in _ranges(cfg):
         if not ok:
             raise ConfigError(f"{where}: key {dotted!r} expected {expected}, found {value!r}")
@@ -406,6 +495,8 @@ def _ranges(cfg: Any):
     """(key, value, in range, what was expected) for every range-checked leaf."""
     for dotted, value in _walk(cfg):
         leaf = dotted.rsplit(".", 1)[-1]
+        if value is None:
+            continue
         if leaf in POSITIVE_INTS:
             yield dotted, value, value >= 1, "an integer >= 1"
         elif leaf == "seq_len":

@@ -7,6 +7,7 @@ Imports nothing heavy.
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -45,6 +46,11 @@ def parse_stage_args(
     return StageArgs(configs, overrides, seen)
 
 
+def is_main_process() -> bool:
+    """Rank 0 under torchrun, or a process launched alone: the one that writes receipts."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def command_line() -> str:
     """The exact command that ran, printed to the log so a rule can be rerun by hand."""
     return shlex.join([sys.executable, *sys.argv])
@@ -56,7 +62,8 @@ class Stage:
     def __init__(self, name: str):
         self.name = name
         self.started_at = now_iso()
-        print(f"align {name}: {command_line()}", file=sys.stderr, flush=True)
+        if is_main_process():
+            print(f"align {name}: {command_line()}", file=sys.stderr, flush=True)
 
     def receipt(
         self,

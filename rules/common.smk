@@ -5,6 +5,8 @@ from pathlib import Path
 
 from align.config import ArmConfig, SftConfig, load_config
 from align.paths import SPLITS, RunPaths
+from align.receipts import read_json
+from align.train.path_bias import required_forward_impl
 from align.train.ref_cache import forward_impl_name, parse_forward_impl
 
 PATHS = RunPaths.of(config["results_dir"])
@@ -61,8 +63,16 @@ def arm_shards(arm):
     return [PATHS.arm(arm).shard(split) for split in SPLITS]
 
 
-def dpo_ref_caches(wildcards):
+def preregistered_ref_caches(wildcards):
+    """The cache built by the pre-registered reference path; path_bias measures against it."""
     impl = ref_forward_impl(wildcards.arm)
+    return [PATHS.arm(wildcards.arm).ref_cache(impl, split) for split in SPLITS]
+
+
+def caches_in_use(wildcards):
+    """The cache the path-bias report demands (the DAG is re-evaluated once it exists)."""
+    bias_receipt = checkpoints.path_bias.get(arm=wildcards.arm).output[0]
+    impl = required_forward_impl(read_json(bias_receipt))
     return [PATHS.arm(wildcards.arm).ref_cache(impl, split) for split in SPLITS]
 
 
@@ -77,3 +87,20 @@ def ref_overrides(wildcards):
         f"--ref.{key}={path[key]}"
         for key in ("attn_implementation", "dtype", "batch_size")
     )
+
+
+def per_rank_threads(world_size):
+    """The job's threads, shared among its ranks (at least one each)."""
+    return max(1, config["threads"] // world_size)
+
+
+def arm_world_size(wildcards):
+    return arm_cfg(wildcards.arm).batch.world_size
+
+
+def arm_rank_threads(wildcards):
+    return per_rank_threads(arm_world_size(wildcards))
+
+
+def arm_stop_marker(wildcards):
+    return PATHS.arm(wildcards.arm).run_dir / "stopped.json"

@@ -1,10 +1,51 @@
-rule dpo:
-    """Re-check every gate, train the arm against its reference cache, evaluate held-out."""
+rule preflight:
+    """RSS projection of the job for the optimizer it runs, against the host (exit 6)."""
+    input:
+        script=SCRIPTS / "preflight.py",
+        path_bias=PATHS.results / "{arm}" / "path_bias.json",
+        caches=caches_in_use,
+        config=lambda w: arm_toml(w.arm),
+    output:
+        PATHS.results / "{arm}" / "preflight.json",
+    log:
+        PATHS.log("preflight", "{arm}"),
+    benchmark:
+        PATHS.benchmark("preflight", "{arm}")
+    params:
+        run=RUN_OVERRIDES,
+    shell:
+        "python {input.script} {input.config} {params.run} > {log} 2>&1"
+
+
+rule probe:
+    """Real micro-steps on the real topology: step time, tokens/s, peak memory, wall-clock."""
     input:
         script=SCRIPTS / "dpo.py",
-        gate=PATHS.sft_gate,
-        manifest=PATHS.manifest,
-        caches=dpo_ref_caches,
+        preflight=PATHS.results / "{arm}" / "preflight.json",
+        caches=caches_in_use,
+        config=lambda w: arm_toml(w.arm),
+    output:
+        PATHS.results / "{arm}" / "probe.json",
+    log:
+        PATHS.log("probe", "{arm}"),
+    benchmark:
+        PATHS.benchmark("probe", "{arm}")
+    threads: config["threads"]
+    params:
+        run=RUN_OVERRIDES,
+        world_size=arm_world_size,
+        rank_threads=arm_rank_threads,
+    shell:
+        "python -m align.launch --nproc={params.world_size} {input.script} {input.config} --probe"
+        " {params.run} --run.threads={params.rank_threads} > {log} 2>&1"
+
+
+rule dpo:
+    """Re-check every gate, train the arm against the cache in use, evaluate held-out."""
+    input:
+        script=SCRIPTS / "dpo.py",
+        probe=PATHS.results / "{arm}" / "probe.json",
+        caches=caches_in_use,
         config=lambda w: arm_toml(w.arm),
     output:
         PATHS.results / "{arm}" / "arm_result.json",
@@ -15,5 +56,9 @@ rule dpo:
     threads: config["threads"]
     params:
         run=RUN_OVERRIDES,
+        world_size=arm_world_size,
+        rank_threads=arm_rank_threads,
+        stop_marker=arm_stop_marker,
     shell:
-        "python {input.script} {input.config} {params.run} --run.threads={threads} > {log} 2>&1"
+        "python -m align.launch --nproc={params.world_size} --stop-marker={params.stop_marker}"
+        " {input.script} {input.config} {params.run} --run.threads={params.rank_threads} > {log} 2>&1"

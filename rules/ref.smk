@@ -1,7 +1,7 @@
 rule ref_cache:
     """Reference log-probs of every pair through one forward path, keyed by six components."""
     input:
-        script=SCRIPTS / "ref_cache.py",
+        script=SCRIPTS / "precompute_ref_logprobs.py",
         gate=PATHS.sft_gate,
         manifest=PATHS.manifest,
         shards=lambda w: arm_shards(w.arm),
@@ -21,3 +21,25 @@ rule ref_cache:
     shell:
         "python {input.script} {input.config} {params.run} --run.threads={threads}"
         " {params.ref} > {log} 2>&1"
+
+
+checkpoint path_bias:
+    """Step-0 mismatch of the training forward path vs the cache: accept, or recompute."""
+    input:
+        script=SCRIPTS / "precompute_ref_logprobs.py",
+        caches=preregistered_ref_caches,
+        config=lambda w: arm_toml(w.arm),
+    output:
+        PATHS.results / "{arm}" / "path_bias.json",
+    log:
+        PATHS.log("path_bias", "{arm}"),
+    benchmark:
+        PATHS.benchmark("path_bias", "{arm}")
+    threads: config["threads"]
+    params:
+        run=RUN_OVERRIDES,
+        world_size=arm_world_size,
+        rank_threads=arm_rank_threads,
+    shell:
+        "python -m align.launch --nproc={params.world_size} {input.script} {input.config} --path-bias"
+        " {params.run} --run.threads={params.rank_threads} > {log} 2>&1"

@@ -15,8 +15,12 @@ rule sft:
     threads: config["threads"]
     params:
         run=RUN_OVERRIDES,
+        world_size=sft_cfg().batch.world_size,
+        rank_threads=per_rank_threads(sft_cfg().batch.world_size),
+        stop_marker=PATHS.sft_run_dir / "stopped.json",
     shell:
-        "python {input.script} {input.config} {params.run} --run.threads={threads} > {log} 2>&1"
+        "python -m align.launch --nproc={params.world_size} --stop-marker={params.stop_marker}"
+        " {input.script} {input.config} {params.run} --run.threads={params.rank_threads} > {log} 2>&1"
 
 
 rule sft_gate:

@@ -66,7 +66,7 @@ def test_sft_config_loads():
     assert cfg.data.seq_len == 96
     assert cfg.gate.max_held_nll == 1.5
     assert cfg.gate.min_terminated_fraction == 0.75
-    assert cfg.batch.micro_batch == 32
+    assert cfg.batch.world_size * cfg.batch.micro_batch * cfg.batch.grad_accum == cfg.batch.global_batch == 32
 
 
 def test_tiny_config_loads():
@@ -242,14 +242,14 @@ def test_override_does_not_touch_the_file_or_its_hash():
 
 def test_batch_topology_mismatch_is_refused_with_the_numbers():
     message = refused(ARGILLA, ArmConfig, ["--global_batch=32"])
-    assert "1 x 8 x 2 = 16" in message
+    assert "2 x 4 x 2 = 16" in message
     assert "global_batch 32" in message
 
 
 def test_batch_topology_mismatch_in_the_file_is_refused(tmp_path):
     path = edited_copy(tmp_path, "grad_accum = 1", "grad_accum = 2", SFT)
     message = refused(path, SftConfig)
-    assert "1 x 32 x 2 = 64" in message
+    assert "2 x 16 x 2 = 64" in message
     assert "global_batch 32" in message
 
 

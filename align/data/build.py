@@ -1,25 +1,35 @@
 """The build-manifest stage's work: read, filter, tokenize, split and shard each arm.
 
-Streams records in batches so a large source is never held as Python token lists
-at once beyond one split's arrays. Returns the manifest entry of each arm.
+`prepare_arm` streams an arm's records in batches into per-split numpy token
+buffers (no Python token lists beyond one batch) and refuses bad input before
+anything is written; `write_arms` then writes every arm's shards and receipts and
+the manifest, removing them all if any step fails, so a failed build leaves no
+shard and no manifest behind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
-from align.config import ArmConfig
-from align.data.filters import FilterCounts, apply_filters
+from tqdm import tqdm
+
+from align.config import ArmConfig, DataConfig, to_dict
+from align.data.filters import FilterCounts, Tally, active_reasons, classify, prompt_over_budget
 from align.data.formats import expand_files, iter_records
-from align.data.shards import PAIR_FORMAT, pair_arrays, response_token_count, write_shard
+from align.data.shards import PairShardBuilder
 from align.data.split import pair_id, split_of
-from align.data.tokenize import TokenizedPair, tokenize_pairs
-from align.paths import SPLITS, ArmPaths
+from align.data.tokenize import PromptRenderer, tokenize_pairs
+from align.paths import SPLITS, ArmPaths, RunPaths
 from align.receipts import DESCOPED, PASSED, hash_file, write_json_atomic
 
 TOKENIZE_BATCH = 1024
+# Compared by the manifest gate with the counts, not as part of what shapes the shards.
+UNPINNED_DATA_KEYS = ("expected_train_pairs", "expected_held_pairs")
 
 
 def batched(items: Iterable, size: int) -> Iterator[list]:
@@ -28,75 +38,163 @@ def batched(items: Iterable, size: int) -> Iterator[list]:
         yield chunk
 
 
-class _SplitBuffer:
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.pairs: list[TokenizedPair] = []
-        self.truncated = 0
+def pinned_data_config(data: DataConfig) -> dict[str, Any]:
+    """The `[data]` choices that determine an arm's shards, as the manifest records them."""
+    return {k: v for k, v in to_dict(data).items() if k not in UNPINNED_DATA_KEYS}
 
 
-def chosen_longer_fraction(arrays: dict) -> float:
-    """Fraction of pairs whose chosen response has more tokens than the rejected one."""
-    n = len(arrays["pair_id"])
-    if n == 0:
-        return 0.0
-    longer = (arrays["chosen_len"] > arrays["rejected_len"]).sum()
-    return float(longer) / n
+def progress(desc: str) -> tqdm:
+    """Rows read so far, on stderr, only where a person watches it."""
+    return tqdm(desc=desc, unit=" rows", file=sys.stderr, disable=not sys.stderr.isatty())
 
 
-def build_arm(cfg: ArmConfig, tokenizer, paths: ArmPaths) -> dict[str, Any]:
-    """Build both splits of one arm; the result is the arm's manifest entry."""
+@dataclass
+class ArmBuild:
+    """One arm read, filtered and tokenized into per-split buffers, not yet written."""
+
+    cfg: ArmConfig
+    files: list[Path]
+    counts: FilterCounts
+    splits: dict[str, PairShardBuilder]
+    prompt_rendering: str
+
+
+def prepare_arm(cfg: ArmConfig, tokenizer, renderer: PromptRenderer | None = None) -> ArmBuild:
+    """Read, filter, split and tokenize one arm; bad input raises before anything is written."""
     data = cfg.data
     files = expand_files(data.files)
-    counts = FilterCounts()
-    buffers = {split: _SplitBuffer() for split in SPLITS}
-    seen_ids: set[int] = set()
-    records = apply_filters(iter_records(files, data.format), data.filters, counts)
-    for chunk in batched(records, TOKENIZE_BATCH):
-        for record, tokens in zip(
-            chunk, tokenize_pairs(chunk, tokenizer, data.seq_len), strict=True
-        ):
-            pid = pair_id(record.prompt, record.chosen, record.rejected)
-            if pid in seen_ids:
-                raise AssertionError(f"{record.source} row {record.row}: pair id collision {pid}")
-            seen_ids.add(pid)
-            buf = buffers[split_of(record.prompt, data.held_fraction, data.split_seed)]
-            buf.ids.append(pid)
-            buf.pairs.append(tokens)
-            buf.truncated += tokens.truncated
-    counts.check_reconciles()
+    renderer = renderer or PromptRenderer(
+        tokenizer, merge_system_into_user=data.merge_system_into_user
+    )
+    counts = FilterCounts(active_reasons(data))
+    splits = {split: PairShardBuilder() for split in SPLITS}
+    ids_seen: set[int] = set()
+    records = classify(iter_records(files, data.format), data.filters)
+    with progress(f"build_manifest {cfg.arm}") as bar:
+        for chunk in batched(records, TOKENIZE_BATCH):
+            candidates = []
+            for record, reason in chunk:
+                split = split_of(record.prompt, data.held_fraction, data.split_seed)
+                if reason is None:
+                    candidates.append((record, split))
+                else:
+                    counts.add(reason, record.source, split)
+            tokenized = tokenize_pairs([r for r, _ in candidates], tokenizer, data.seq_len, renderer)
+            for (record, split), pair in zip(candidates, tokenized, strict=True):
+                if prompt_over_budget(pair.prompt_tokens, data.max_prompt_tokens):
+                    counts.add("prompt_over_budget", record.source, split)
+                    continue
+                pid = pair_id(record.prompt, record.chosen, record.rejected)
+                if pid in ids_seen:
+                    raise AssertionError(f"{record.where()}: pair id collision {pid}")
+                ids_seen.add(pid)
+                counts.add(None, record.source, split)
+                splits[split].add(pid, pair)
+            bar.update(len(chunk))
+    counts.check_reconciles(f"arm {cfg.arm} filter counts")
+    for split in SPLITS:
+        if _split_tally(counts, split).kept != len(splits[split]):
+            raise AssertionError(f"arm {cfg.arm} split {split}: kept count != rows buffered")
+    return ArmBuild(cfg, files, counts, splits, renderer.kind)
 
+
+def _split_tally(counts: FilterCounts, split: str) -> Tally:
+    return counts.by_split.get(split) or Tally(counts.reasons)
+
+
+def _descoped_reason(build: ArmBuild) -> str | None:
+    data = build.cfg.data
+    if build.counts.kept < data.min_pairs:
+        return f"kept {build.counts.kept} pairs, under the pre-registered minimum data.min_pairs={data.min_pairs}"
+    for split in SPLITS:
+        if not build.splits[split]:
+            return f"split {split} has no pairs (data.held_fraction={data.held_fraction})"
+    return None
+
+
+def write_split(build: ArmBuild, split: str, pad_id: int, paths: ArmPaths) -> dict[str, Any]:
+    """Write one split's shard and receipt; return its manifest entry."""
+    data, builder = build.cfg.data, build.splits[split]
+    shard = paths.shard(split)
+    tokens_hash = builder.write(
+        shard,
+        pad_id,
+        arm=build.cfg.arm,
+        split=split,
+        seq_len=data.seq_len,
+        truncation=data.truncation,
+    )
+    entry = {
+        "path": str(shard),
+        "hash": hash_file(shard),
+        "tokens_hash": tokens_hash,
+        "counts": _split_tally(build.counts, split).as_dict(),
+        **builder.summary(),
+    }
+    write_json_atomic(paths.shard_receipt(split), {"arm": build.cfg.arm, "split": split, **entry})
+    return entry
+
+
+def write_arm(build: ArmBuild, tokenizer, paths: ArmPaths) -> dict[str, Any]:
+    """Write both splits of a prepared arm; the result is the arm's manifest entry."""
+    data, counts = build.cfg.data, build.counts
+    shards = {split: write_split(build, split, tokenizer.pad_id, paths) for split in SPLITS}
+    kept = sum(shards[s]["pairs"] for s in SPLITS)
+    by_source = {str(f): (counts.by_source.get(str(f)) or Tally(counts.reasons)) for f in build.files}
     entry: dict[str, Any] = {
         "format": data.format,
         "seq_len": data.seq_len,
         "truncation": data.truncation,
-        "sources": {str(f): hash_file(f) for f in files},
-        "counts": {**counts.as_dict(), **{s: len(buffers[s].ids) for s in SPLITS}},
-        "truncated_pairs": {s: buffers[s].truncated for s in SPLITS},
-        "shards": {},
+        "max_prompt_tokens": data.max_prompt_tokens,
+        "prompt_rendering": build.prompt_rendering,
+        "data_config": pinned_data_config(data),
+        "sources": {str(f): hash_file(f) for f in build.files},
+        "counts": {**counts.as_dict(), **{s: shards[s]["pairs"] for s in SPLITS}},
+        "counts_by_source": {name: tally.as_dict() for name, tally in by_source.items()},
+        "truncated_pairs": {s: shards[s]["truncated_pairs"] for s in SPLITS},
+        "chosen_longer_fraction": (
+            sum(shards[s]["chosen_longer"] for s in SPLITS) / kept if kept else 0.0
+        ),
+        "shards": shards,
     }
-    for split in SPLITS:
-        arrays = pair_arrays(buffers[split].ids, buffers[split].pairs, tokenizer.pad_id)
-        shard = paths.shard(split)
-        write_shard(shard, arrays, PAIR_FORMAT, arm=cfg.arm, split=split, seq_len=data.seq_len)
-        shard_entry = {
-            "path": str(shard),
-            "hash": hash_file(shard),
-            "pairs": len(buffers[split].ids),
-            "chosen_tokens": response_token_count(arrays, "chosen"),
-            "rejected_tokens": response_token_count(arrays, "rejected"),
-            "chosen_longer_fraction": chosen_longer_fraction(arrays),
-        }
-        write_json_atomic(
-            paths.shard_receipt(split), {"arm": cfg.arm, "split": split, **shard_entry}
-        )
-        entry["shards"][split] = shard_entry
-    entry["chosen_longer_fraction"] = entry["shards"]["train"]["chosen_longer_fraction"]
-    if counts.kept < data.min_pairs:
-        entry["status"] = DESCOPED
-        entry["reason"] = (
-            f"kept {counts.kept} pairs, under the pre-registered minimum data.min_pairs={data.min_pairs}"
-        )
-    else:
-        entry["status"] = PASSED
+    reason = _descoped_reason(build)
+    entry["status"] = PASSED if reason is None else DESCOPED
+    if reason is not None:
+        entry["reason"] = reason
     return entry
+
+
+def build_arm(cfg: ArmConfig, tokenizer, paths: ArmPaths) -> dict[str, Any]:
+    """Prepare and write one arm; the result is the arm's manifest entry."""
+    return write_arm(prepare_arm(cfg, tokenizer), tokenizer, paths)
+
+
+def _outputs_of(paths: ArmPaths) -> list[Path]:
+    return [p for split in SPLITS for p in (paths.shard(split), paths.shard_receipt(split))]
+
+
+def write_arms(
+    builds: list[ArmBuild],
+    tokenizer,
+    run_paths: RunPaths,
+    make_manifest: Callable[[dict[str, dict[str, Any]]], dict[str, Any]],
+) -> dict[str, Any]:
+    """Write every arm, then the manifest `make_manifest(entries)`; on any failure remove them all.
+
+    Shards of an earlier build are removed too: once a rebuild has begun they no
+    longer match any manifest, and a gate must find them missing, not stale.
+    """
+    outputs = [run_paths.manifest]
+    outputs += [p for build in builds for p in _outputs_of(run_paths.arm(build.cfg.arm))]
+    try:
+        entries = {
+            build.cfg.arm: write_arm(build, tokenizer, run_paths.arm(build.cfg.arm))
+            for build in builds
+        }
+        manifest = make_manifest(entries)
+        write_json_atomic(run_paths.manifest, manifest)
+        return manifest
+    except BaseException:
+        for path in outputs:
+            path.unlink(missing_ok=True)
+        raise

@@ -1,7 +1,11 @@
-"""Pre-registered row filters with per-reason counts.
+"""Pre-registered row filters and the counts that reconcile them.
 
-Nothing is dropped silently: every removal is counted under its reason, and the
-manifest reconciles read = kept + sum(removed).
+Nothing is dropped silently: every removal is counted under its reason, in total,
+per source file and per split, and each level reconciles
+read = kept + sum(removed by reason). The filters declared in `data.filters`
+(argilla's status, chosen score and GSM8K overlap) refuse a row that lacks the
+column they read; the universal ones (empty response, chosen identical to
+rejected, exact duplicate pair, prompt over the token budget) apply to every arm.
 """
 
 from __future__ import annotations
@@ -9,8 +13,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
-from align.config import FilterConfig
+from align.config import DataConfig, FilterConfig
 from align.data.formats import PreferenceRecord
+from align.data.split import pair_digest
+from align.exit_codes import BadInputData
 
 REASONS = (
     "status_excluded",
@@ -19,19 +25,41 @@ REASONS = (
     "empty_response",
     "chosen_equals_rejected",
     "duplicate_pair",
+    "prompt_over_budget",
 )
+UNIVERSAL_REASONS = ("empty_response", "chosen_equals_rejected", "duplicate_pair")
+
+
+def active_reasons(data: DataConfig) -> tuple[str, ...]:
+    """The reasons an arm's pre-registration applies, in REASONS order."""
+    f = data.filters
+    declared = {
+        "status_excluded": bool(f.exclude_status),
+        "chosen_score_below_min": f.min_chosen_score is not None,
+        "in_gsm8k_train": f.exclude_in_gsm8k_train,
+        "prompt_over_budget": data.max_prompt_tokens is not None,
+    }
+    return tuple(r for r in REASONS if r in UNIVERSAL_REASONS or declared.get(r, False))
+
+
+def _meta(record: PreferenceRecord, column: str, key: str):
+    if column not in record.meta:
+        raise BadInputData(
+            f"{record.where()}: filter data.filters.{key} needs column {column!r}, which the row lacks"
+        )
+    return record.meta[column]
 
 
 def rejection_reason(record: PreferenceRecord, cfg: FilterConfig) -> str | None:
-    """The first pre-registered reason to drop `record`, or None to keep it."""
-    meta = record.meta
-    if cfg.exclude_status and meta.get("status") in cfg.exclude_status:
+    """The first pre-registered reason to drop `record` on its text alone, or None to keep it."""
+    if cfg.exclude_status and _meta(record, "status", "exclude_status") in cfg.exclude_status:
         return "status_excluded"
     if cfg.min_chosen_score is not None:
-        score = meta.get("chosen_score")
+        score = _meta(record, "chosen_score", "min_chosen_score")
+        # A null score is no evidence the pair clears the bar.
         if score is None or score < cfg.min_chosen_score:
             return "chosen_score_below_min"
-    if cfg.exclude_in_gsm8k_train and meta.get("in_gsm8k_train"):
+    if cfg.exclude_in_gsm8k_train and _meta(record, "in_gsm8k_train", "exclude_in_gsm8k_train"):
         return "in_gsm8k_train"
     if not record.chosen.strip() or not record.rejected.strip():
         return "empty_response"
@@ -40,47 +68,114 @@ def rejection_reason(record: PreferenceRecord, cfg: FilterConfig) -> str | None:
     return None
 
 
-class FilterCounts:
-    """Counts of rows read, kept and removed by reason."""
+def prompt_over_budget(prompt_tokens: int, max_prompt_tokens: int | None) -> bool:
+    """The filter applied after tokenization: the rendered prompt alone exceeds the budget."""
+    return max_prompt_tokens is not None and prompt_tokens > max_prompt_tokens
 
-    def __init__(self) -> None:
+
+def classify(
+    records: Iterable[PreferenceRecord], cfg: FilterConfig
+) -> Iterator[tuple[PreferenceRecord, str | None]]:
+    """Every record with its reason to be dropped (None: kept so far), exact duplicates included.
+
+    A later copy of a kept pair is a duplicate; a copy of a dropped one keeps that reason.
+    """
+    seen: set[bytes] = set()
+    for record in records:
+        reason = rejection_reason(record, cfg)
+        if reason is None:
+            digest = pair_digest(record.prompt, record.chosen, record.rejected)
+            if digest in seen:
+                reason = "duplicate_pair"
+            else:
+                seen.add(digest)
+        yield record, reason
+
+
+class Tally:
+    """Rows read, kept and removed by reason, for one group of rows."""
+
+    def __init__(self, reasons: Iterable[str] = ()) -> None:
         self.read = 0
         self.kept = 0
-        self.removed: Counter[str] = Counter()
+        self.removed: Counter[str] = Counter({reason: 0 for reason in reasons})
+
+    def add(self, reason: str | None) -> None:
+        self.read += 1
+        if reason is None:
+            self.kept += 1
+        else:
+            self.removed[reason] += 1
+
+    def move(self, reason: str) -> None:
+        """A kept row removed by a later filter."""
+        if self.kept < 1:
+            raise AssertionError(f"no kept row left to remove as {reason!r}")
+        self.kept -= 1
+        self.removed[reason] += 1
 
     def as_dict(self) -> dict:
-        return {"read": self.read, "kept": self.kept, "removed": dict(sorted(self.removed.items()))}
+        return {
+            "read": self.read,
+            "kept": self.kept,
+            "removed": {r: self.removed[r] for r in sorted(self.removed)},
+        }
 
-    def check_reconciles(self) -> None:
+    def check_reconciles(self, label: str = "filter counts") -> None:
         total = self.kept + sum(self.removed.values())
         if total != self.read:
             raise AssertionError(
-                f"filter counts do not reconcile: read {self.read} != kept + removed {total}"
+                f"{label} do not reconcile: read {self.read} != kept + removed {total}"
             )
+
+
+class FilterCounts(Tally):
+    """The total tally, plus one per source file and one per split when rows name them."""
+
+    def __init__(self, reasons: Iterable[str] = ()) -> None:
+        super().__init__(reasons)
+        self.reasons = tuple(reasons)
+        self.by_source: dict[str, Tally] = {}
+        self.by_split: dict[str, Tally] = {}
+
+    def _groups(self, source: str | None, split: str | None) -> list[Tally]:
+        groups = []
+        if source is not None:
+            groups.append(self.by_source.setdefault(source, Tally(self.reasons)))
+        if split is not None:
+            groups.append(self.by_split.setdefault(split, Tally(self.reasons)))
+        return groups
+
+    def add(self, reason: str | None, source: str | None = None, split: str | None = None) -> None:
+        """One row read, kept (reason None) or removed under `reason`."""
+        super().add(reason)
+        for tally in self._groups(source, split):
+            tally.add(reason)
+
+    def move(self, reason: str, source: str | None = None, split: str | None = None) -> None:
+        super().move(reason)
+        for tally in self._groups(source, split):
+            tally.move(reason)
+
+    def check_reconciles(self, label: str = "filter counts") -> None:
+        super().check_reconciles(label)
+        for kind, groups in (("source", self.by_source), ("split", self.by_split)):
+            for name, tally in groups.items():
+                tally.check_reconciles(f"{label} of {kind} {name}")
+            if groups and sum(t.read for t in groups.values()) != self.read:
+                raise AssertionError(f"{label}: rows read per {kind} do not sum to {self.read}")
 
 
 def apply_filters(
     records: Iterable[PreferenceRecord], cfg: FilterConfig, counts: FilterCounts
 ) -> Iterator[PreferenceRecord]:
     """Yield kept records; count every removal, exact duplicate pairs included."""
-    seen: set[int] = set()
-    for record in records:
-        counts.read += 1
-        reason = rejection_reason(record, cfg)
+    for record, reason in classify(records, cfg):
+        counts.add(reason)
         if reason is None:
-            key = hash((record.prompt, record.chosen, record.rejected))
-            if key in seen:
-                reason = "duplicate_pair"
-            else:
-                seen.add(key)
-        if reason is None:
-            counts.kept += 1
             yield record
-        else:
-            counts.removed[reason] += 1
 
 
 def remove(counts: FilterCounts, reason: str) -> None:
     """Move one kept row to `reason` (for filters that need tokens, applied after this pass)."""
-    counts.kept -= 1
-    counts.removed[reason] += 1
+    counts.move(reason)

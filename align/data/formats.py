@@ -1,8 +1,17 @@
 """Readers of the raw preference formats users really have, into one `PreferenceRecord`.
 
-The format is named by the pre-registration, never guessed. Any malformed row ends
-the build with exit 4 and a message naming the file, the row (line number for
-JSONL), what was expected and what was found.
+Formats (named by the pre-registration's `data.format`, never guessed):
+
+- `argilla`: argilla/distilabel-intel-orca-dpo-pairs (`system`, `input`, `chosen`,
+  `rejected`, and `status`, `chosen_score`, `in_gsm8k_train` for the filters);
+- `ultrafeedback`: UltraFeedback-binarized style, `chosen` / `rejected` message lists
+  [{"role", "content"}] ending with the assistant turn, optional `prompt`;
+- `pairs`: plain `prompt`, `chosen`, `rejected` strings;
+- `steppairs`: Step-DPO (`prompt`, `initial_reason_steps`, `chosen`, `rejected`).
+
+Files are JSONL or Parquet, local paths or globs. Any malformed row ends the build
+with exit 4 and a message naming the file, the row (line number for JSONL), what
+was expected and what was found.
 """
 
 from __future__ import annotations
@@ -16,10 +25,25 @@ from typing import Any
 
 from align.exit_codes import BadInputData
 
+Message = tuple[str, str]
+PARQUET_BATCH_ROWS = 4096
+
+
+def location(source: str, row: int) -> str:
+    """How a row is named in messages: the line of a JSONL file, the row of any other."""
+    unit = "line" if source.endswith(".jsonl") else "row"
+    return f"{source} {unit} {row}"
+
 
 @dataclass(frozen=True)
 class PreferenceRecord:
-    """One pair: the prompt as plain text, the two responses, and where it came from."""
+    """One pair: the prompt, the two responses, and where it came from.
+
+    `prompt` is the plain text of the whole prompt: it is what the split hashes, what
+    identifies the pair and what the plain join renders. A chat template renders
+    `messages` instead (one user turn of `prompt` when empty), then `response_prefix`,
+    the start of the assistant turn that belongs to the prompt (Step-DPO's steps).
+    """
 
     prompt: str
     chosen: str
@@ -27,6 +51,14 @@ class PreferenceRecord:
     source: str
     row: int
     meta: dict[str, Any] = field(default_factory=dict)
+    messages: tuple[Message, ...] = ()
+    response_prefix: str = ""
+
+    def prompt_messages(self) -> tuple[Message, ...]:
+        return self.messages or (("user", self.prompt),)
+
+    def where(self) -> str:
+        return location(self.source, self.row)
 
 
 @dataclass(frozen=True)
@@ -36,8 +68,10 @@ class RawRow:
     values: dict[str, Any]
 
     def where(self) -> str:
-        unit = "line" if self.source.endswith(".jsonl") else "row"
-        return f"{self.source} {unit} {self.row}"
+        return location(self.source, self.row)
+
+    def has(self, column: str) -> bool:
+        return column in self.values
 
     def get(self, column: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
         if column not in self.values:
@@ -49,21 +83,28 @@ class RawRow:
         value = self.values[column]
         if optional and value is None:
             return None
-        numeric = kind in (int, float) or (
-            isinstance(kind, tuple) and bool({int, float} & set(kind))
-        )
-        if not isinstance(value, kind) or (numeric and isinstance(value, bool)):
-            expected = (
-                kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-            )
+        if not _is_kind(value, kind):
             raise BadInputData(
-                f"{self.where()}: column {column!r} expected {expected}, found {type(value).__name__} {value!r:.60}"
+                f"{self.where()}: column {column!r} expected {_kind_name(kind)}, "
+                f"found {type(value).__name__} {value!r:.60}"
             )
         return value
 
 
+def _is_kind(value: Any, kind: type | tuple[type, ...]) -> bool:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    # bool is an int to Python, but true is no score and no count.
+    if isinstance(value, bool) and bool not in kinds:
+        return False
+    return isinstance(value, kinds)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    return kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+
+
 def expand_files(patterns: list[str], base: Path | None = None) -> list[Path]:
-    """Expand local paths and globs; a pattern that matches nothing is refused."""
+    """Expand local paths and globs in order; a pattern matching no file, or a file twice, is refused."""
     if not patterns:
         raise BadInputData("data.files is empty: the pre-registration names no input file")
     files: list[Path] = []
@@ -71,10 +112,13 @@ def expand_files(patterns: list[str], base: Path | None = None) -> list[Path]:
         full = (
             str(base / pattern) if base is not None and not Path(pattern).is_absolute() else pattern
         )
-        matches = sorted(glob.glob(full))
+        matches = [Path(m) for m in sorted(glob.glob(full)) if Path(m).is_file()]
         if not matches:
             raise BadInputData(f"{full}: matches no file")
-        files.extend(Path(m) for m in matches)
+        for path in matches:
+            if path in files:
+                raise BadInputData(f"{path}: named twice by data.files (pattern {full!r})")
+            files.append(path)
     return files
 
 
@@ -90,32 +134,47 @@ def iter_raw_rows(path: Path) -> Iterator[RawRow]:
         )
 
 
+def _open_binary(path: Path):
+    try:
+        return open(path, "rb")
+    except OSError as err:
+        raise BadInputData(f"{path}: cannot be read ({err.strerror})") from err
+
+
 def _iter_jsonl(path: Path) -> Iterator[RawRow]:
     empty = True
-    with open(path, "rb") as fh:
+    with _open_binary(path) as fh:
         for line_no, raw in enumerate(fh, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise BadInputData(
-                    f"{path} line {line_no}: not UTF-8 ({err.reason} at byte {err.start})"
-                ) from err
-            if not text.strip():
+            values = _parse_json_line(path, line_no, raw)
+            if values is None:
                 continue
-            try:
-                values = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise BadInputData(
-                    f"{path} line {line_no}: not valid JSON ({err.msg} at column {err.colno})"
-                ) from err
-            if not isinstance(values, dict):
-                raise BadInputData(
-                    f"{path} line {line_no}: expected a JSON object, found {type(values).__name__}"
-                )
             empty = False
             yield RawRow(str(path), line_no, values)
     if empty:
         raise BadInputData(f"{path}: empty file (expected one JSON object per line)")
+
+
+def _parse_json_line(path: Path, line_no: int, raw: bytes) -> dict[str, Any] | None:
+    """The object on one line; None for a blank line."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadInputData(
+            f"{path} line {line_no}: not UTF-8 ({err.reason} at byte {err.start})"
+        ) from err
+    if not text.strip():
+        return None
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise BadInputData(
+            f"{path} line {line_no}: not valid JSON ({err.msg} at column {err.colno})"
+        ) from err
+    if not isinstance(values, dict):
+        raise BadInputData(
+            f"{path} line {line_no}: expected a JSON object, found {type(values).__name__}"
+        )
+    return values
 
 
 def _iter_parquet(path: Path) -> Iterator[RawRow]:
@@ -128,7 +187,7 @@ def _iter_parquet(path: Path) -> Iterator[RawRow]:
     if parquet.metadata.num_rows == 0:
         raise BadInputData(f"{path}: empty file (parquet with 0 rows)")
     row_no = 0
-    for batch in parquet.iter_batches(batch_size=4096):
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
         for values in batch.to_pylist():
             row_no += 1
             yield RawRow(str(path), row_no, values)
@@ -138,25 +197,48 @@ def _text(row: RawRow, column: str) -> str:
     return row.get(column, str)
 
 
+ARGILLA_FILTER_COLUMNS: dict[str, type | tuple[type, ...]] = {
+    "status": str,
+    "chosen_score": (int, float),
+    "in_gsm8k_train": bool,
+}
+
+
 def _argilla(row: RawRow) -> PreferenceRecord:
     system = row.get("system", str, optional=True) or ""
     question = _text(row, "input")
-    prompt = f"{system}\n{question}" if system.strip() else question
+    has_system = bool(system.strip())
+    prompt = f"{system}\n{question}" if has_system else question
+    messages = (("system", system), ("user", question)) if has_system else (("user", question),)
+    # Only present columns enter meta, so a filter can tell a missing column from a null.
     meta = {
-        "status": row.get("status", str, optional=True),
-        "chosen_score": row.get("chosen_score", (int, float), optional=True),
-        "in_gsm8k_train": row.get("in_gsm8k_train", bool, optional=True),
+        column: row.get(column, kind, optional=True)
+        for column, kind in ARGILLA_FILTER_COLUMNS.items()
+        if row.has(column)
     }
     return PreferenceRecord(
-        prompt, _text(row, "chosen"), _text(row, "rejected"), row.source, row.row, meta
+        prompt,
+        _text(row, "chosen"),
+        _text(row, "rejected"),
+        row.source,
+        row.row,
+        meta,
+        messages=messages,
     )
 
 
 def _steppairs(row: RawRow) -> PreferenceRecord:
+    question = _text(row, "prompt")
     steps = _text(row, "initial_reason_steps")
-    prompt = f"{_text(row, 'prompt').rstrip()}\n{steps}"
+    prompt = f"{question.rstrip()}\n{steps}".rstrip("\n")
     return PreferenceRecord(
-        prompt.rstrip("\n"), _text(row, "chosen"), _text(row, "rejected"), row.source, row.row
+        prompt,
+        _text(row, "chosen"),
+        _text(row, "rejected"),
+        row.source,
+        row.row,
+        messages=(("user", question),),
+        response_prefix=steps,
     )
 
 
@@ -166,32 +248,54 @@ def _pairs(row: RawRow) -> PreferenceRecord:
     )
 
 
-def _messages(row: RawRow, column: str) -> list[dict[str, str]]:
+def _conversation(row: RawRow, column: str) -> tuple[Message, ...]:
+    """A message list that ends with the assistant turn, as (role, content) pairs."""
     messages = row.get(column, list)
+    turns = []
     for i, message in enumerate(messages):
         if (
             not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
             or not isinstance(message.get("content"), str)
-            or "role" not in message
         ):
             raise BadInputData(
-                f"{row.where()}: column {column!r} message {i} expected {{'role', 'content'}}, found {message!r:.60}"
+                f"{row.where()}: column {column!r} message {i} expected "
+                f"{{'role': str, 'content': str}}, found {message!r:.60}"
             )
-    if not messages or messages[-1]["role"] != "assistant":
+        turns.append((message["role"], message["content"]))
+    if not turns or turns[-1][0] != "assistant":
+        last = turns[-1][0] if turns else "no message"
         raise BadInputData(
-            f"{row.where()}: column {column!r} expected a message list ending with an assistant turn"
+            f"{row.where()}: column {column!r} expected a message list ending with an "
+            f"assistant turn, found {last!r} last"
         )
-    return messages
+    return tuple(turns)
 
 
 def _ultrafeedback(row: RawRow) -> PreferenceRecord:
-    chosen = _messages(row, "chosen")
-    rejected = _messages(row, "rejected")
+    chosen = _conversation(row, "chosen")
+    rejected = _conversation(row, "rejected")
+    turns = chosen[:-1]
+    if rejected[:-1] != turns:
+        raise BadInputData(
+            f"{row.where()}: columns 'chosen' and 'rejected' expected the same turns before "
+            f"the final assistant turn, found {len(turns)} and {len(rejected) - 1} turns that differ"
+        )
     prompt = row.get("prompt", str, optional=True)
     if prompt is None:
-        prompt = "\n".join(m["content"] for m in chosen[:-1])
+        if not turns:
+            raise BadInputData(
+                f"{row.where()}: no prompt (expected a 'prompt' column or turns before the "
+                "assistant turn in 'chosen')"
+            )
+        prompt = "\n".join(content for _, content in turns)
     return PreferenceRecord(
-        prompt, chosen[-1]["content"], rejected[-1]["content"], row.source, row.row
+        prompt,
+        chosen[-1][1],
+        rejected[-1][1],
+        row.source,
+        row.row,
+        messages=turns or (("user", prompt),),
     )
 
 

@@ -20,10 +20,19 @@ def prompt_unit(prompt: str, seed: int) -> float:
 
 
 def split_of(prompt: str, held_fraction: float, seed: int) -> str:
+    """`held` or `train`, by where the prompt's hash falls against the held-out fraction."""
     return "held" if prompt_unit(prompt, seed) < held_fraction else "train"
+
+
+def pair_digest(prompt: str, chosen: str, rejected: str) -> bytes:
+    """sha256 of a pair's content: exact duplicates share it, nothing else does."""
+    return hashlib.sha256("\0".join((prompt, chosen, rejected)).encode()).digest()
 
 
 def pair_id(prompt: str, chosen: str, rejected: str) -> int:
     """A stable 63-bit id of a pair's content; rows are looked up by it, never by position."""
-    digest = hashlib.sha256("\0".join((prompt, chosen, rejected)).encode()).digest()
+    return id_of_digest(pair_digest(prompt, chosen, rejected))
+
+
+def id_of_digest(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "big") & ((1 << 63) - 1)

@@ -1,9 +1,14 @@
 """Rendering and tokenization of pairs under the pre-registered truncation policy.
 
-A pair is [bos] + prompt + response + [eos] for each response, the prompt shared.
+The prompt is rendered by the checkpoint's chat template when it has one
+(messages = [system?, user], add_generation_prompt=True, then any response prefix)
+and by the plain join `render_prompt` otherwise. Its tokens start with exactly one
+bos: the template's own when it renders one, else one added here. Each response
+follows as its tokens + eos, and labels cover response tokens only.
+
 Policy `prompt_left_response_right`: when too long, the prompt loses tokens from
 the left (bos kept, at most down to half of seq_len), then each response is cut
-from the right. Labels cover response tokens only.
+from the right.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from align.data.formats import PreferenceRecord
+from align.data.chat_template import ChatTemplate, ChatTemplateError
+from align.data.formats import Message, PreferenceRecord
+from align.exit_codes import BadInputData
 
 
 def render_prompt(prompt: str) -> str:
@@ -19,12 +26,82 @@ def render_prompt(prompt: str) -> str:
     return prompt.rstrip() + "\n"
 
 
+def merged_system(messages: Sequence[Message]) -> tuple[Message, ...]:
+    """A leading system turn folded into the first user turn, for templates that refuse one."""
+    if len(messages) >= 2 and messages[0][0] == "system" and messages[1][0] == "user":
+        system, user = messages[0][1], messages[1][1]
+        return (("user", f"{system}\n\n{user}"), *messages[2:])
+    return tuple(messages)
+
+
+class PromptRenderer:
+    """How one checkpoint turns a record's prompt into token ids."""
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        merge_system_into_user: bool = False,
+        where: str = "the checkpoint's chat template",
+    ):
+        self.tokenizer = tokenizer
+        self.merge_system_into_user = merge_system_into_user
+        self.bos_token = tokenizer.backend.id_to_token(tokenizer.bos_id)
+        source = tokenizer.chat_template
+        self.template = (
+            ChatTemplate(source, self._special_tokens(tokenizer), where) if source else None
+        )
+
+    @staticmethod
+    def _special_tokens(tokenizer) -> dict[str, str]:
+        tokens = {
+            "bos_token": tokenizer.backend.id_to_token(tokenizer.bos_id),
+            "eos_token": tokenizer.backend.id_to_token(tokenizer.eos_id),
+        }
+        if not tokenizer.pad_is_eos:
+            tokens["pad_token"] = tokenizer.backend.id_to_token(tokenizer.pad_id)
+        return tokens
+
+    @property
+    def kind(self) -> str:
+        return "chat_template" if self.template is not None else "plain"
+
+    def text(self, record: PreferenceRecord) -> str:
+        """The prompt text, up to where the response starts."""
+        if self.template is None:
+            return render_prompt(record.prompt)
+        messages = record.prompt_messages()
+        if self.merge_system_into_user:
+            messages = merged_system(messages)
+        try:
+            rendered = self.template.render(
+                [{"role": role, "content": content} for role, content in messages],
+                add_generation_prompt=True,
+            )
+        except ChatTemplateError as err:
+            raise BadInputData(f"{record.where()}: the chat template refused the row ({err})") from err
+        return rendered + record.response_prefix
+
+    def ids(self, records: Sequence[PreferenceRecord]) -> list[list[int]]:
+        """Prompt token ids of each record, starting with exactly one bos."""
+        texts = [self.text(r) for r in records]
+        bos = self.tokenizer.bos_id
+        out = []
+        for text, ids in zip(texts, self.tokenizer.encode_batch(texts), strict=True):
+            renders_bos = self.template is not None and text.startswith(self.bos_token)
+            out.append(ids if renders_bos else [bos, *ids])
+        return out
+
+
 @dataclass(frozen=True)
 class TokenizedPair:
+    """Prompt and responses after truncation; `prompt_tokens` counts the prompt before it."""
+
     prompt: list[int]
     chosen: list[int]
     rejected: list[int]
     truncated: bool
+    prompt_tokens: int | None = None
 
 
 def truncate_pair(
@@ -41,27 +118,32 @@ def truncate_pair(
 
 
 def tokenize_pairs(
-    records: Sequence[PreferenceRecord], tokenizer, seq_len: int
+    records: Sequence[PreferenceRecord],
+    tokenizer,
+    seq_len: int,
+    renderer: PromptRenderer | None = None,
 ) -> list[TokenizedPair]:
     """Tokenize a batch of records (one batched encode call per field)."""
-    prompts = tokenizer.encode_batch([render_prompt(r.prompt) for r in records])
+    renderer = renderer or PromptRenderer(tokenizer)
+    prompts = renderer.ids(records)
     chosens = tokenizer.encode_batch([r.chosen for r in records])
     rejecteds = tokenizer.encode_batch([r.rejected for r in records])
-    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    eos = tokenizer.eos_id
     out = []
     for p, c, r in zip(prompts, chosens, rejecteds, strict=True):
-        out.append(TokenizedPair(*truncate_pair([bos, *p], [*c, eos], [*r, eos], seq_len)))
+        cut = truncate_pair(p, [*c, eos], [*r, eos], seq_len)
+        out.append(TokenizedPair(*cut, prompt_tokens=len(p)))
     return out
 
 
 def tokenize_sft(prompts: Sequence[str], responses: Sequence[str], tokenizer, seq_len: int):
     """SFT rows as (ids, prompt_len) with the response cut from the right to fit seq_len."""
-    p_ids = tokenizer.encode_batch([render_prompt(p) for p in prompts])
+    renderer = PromptRenderer(tokenizer)
+    records = [PreferenceRecord(p, "", "", "sft", i) for i, p in enumerate(prompts, start=1)]
+    p_ids = renderer.ids(records)
     r_ids = tokenizer.encode_batch(list(responses))
     rows = []
     for p, r in zip(p_ids, r_ids, strict=True):
-        prompt, response, _, _ = truncate_pair(
-            [tokenizer.bos_id, *p], [*r, tokenizer.eos_id], [], seq_len
-        )
+        prompt, response, _, _ = truncate_pair(p, [*r, tokenizer.eos_id], [], seq_len)
         rows.append(([*prompt, *response], len(prompt)))
     return rows

@@ -29,19 +29,25 @@ def rank_blocks(n: int, batch_size: int, rank: int, world_size: int) -> list[np.
 
 @torch.no_grad()
 def score_pairs(
-    model, shard: PairShard, batch_size: int, info: DistInfo, desc: str = "score"
+    model,
+    shard: PairShard,
+    batch_size: int,
+    info: DistInfo,
+    desc: str = "score",
+    rows: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(chosen, rejected) summed log-probs of every row of `shard`, in row order, float32."""
+    """(chosen, rejected) summed log-probs of `rows` of `shard` (default all), in that order."""
     model.eval()
-    n = len(shard)
+    selected = np.arange(len(shard)) if rows is None else np.asarray(rows)
+    n = len(selected)
     out = np.zeros(2 * n, dtype=np.float64)
     blocks = rank_blocks(n, batch_size, info.rank, info.world_size)
-    for rows in tqdm(blocks, desc=desc, mininterval=5, disable=not info.is_main):
-        batch = shard.collate(rows if rows is not None else np.arange(min(batch_size, n)))
-        logps = sequence_logps(model, batch).double().cpu().numpy()
-        if rows is not None:
-            out[rows] = logps[: len(rows)]
-            out[n + rows] = logps[len(rows) :]
+    for block in tqdm(blocks, desc=desc, mininterval=5, disable=not info.is_main):
+        positions = block if block is not None else np.arange(min(batch_size, n))
+        logps = sequence_logps(model, shard.collate(selected[positions])).double().cpu().numpy()
+        if block is not None:
+            out[block] = logps[: len(block)]
+            out[n + block] = logps[len(block) :]
     if info.world_size > 1:
         out = np.asarray(all_reduce_sum(out.tolist()))
     return out[:n].astype(np.float32), out[n:].astype(np.float32)

@@ -21,7 +21,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from align.model.attention import select_attn_implementation
 from align.model.hf_config import MistralConfig, load_hf_config
 from align.model.mistral import NmoMistralForCausalLM
 from align.model.weights_hash import INDEX_FILE_NAME, SINGLE_FILE_NAME, checkpoint_tensors
@@ -83,11 +82,10 @@ def load_pretrained(
     """Build the model from an HF-format checkpoint directory, strictly, on `device` in `dtype`."""
     target_device = _resolve_device(device)
     target_dtype = _resolve_dtype(dtype, target_device)
-    resolved_attn = select_attn_implementation(attn_implementation, target_device)
     config = dataclasses.replace(load_hf_config(path), torch_dtype=_dtype_name(target_dtype))
     hf_state = _drop_tied_lm_head(read_safetensors_state(path), config, path)
     with torch.device("meta"):
-        model = NmoMistralForCausalLM(config, resolved_attn)
+        model = NmoMistralForCausalLM(config, attn_implementation, attn_device=target_device)
     _check_names(set(hf_state), _expected_hf_names(model), path)
     state = {
         name: tensor.to(device=target_device, dtype=target_dtype)

@@ -92,11 +92,17 @@ class DecoderLayer(nn.Module):
 class NmoMistralForCausalLM(nn.Module):
     """Mistral causal language model: token ids -> next-token logits."""
 
-    def __init__(self, config: MistralConfig, attn_implementation: str = "sdpa"):
+    def __init__(
+        self,
+        config: MistralConfig,
+        attn_implementation: str = "sdpa",
+        attn_device: torch.device | None = None,
+    ):
+        """`attn_device` is where the model will run, when it is built on the meta device."""
         super().__init__()
         self.config = config
         self.attn_implementation = select_attn_implementation(
-            attn_implementation, torch.get_default_device()
+            attn_implementation, attn_device or torch.get_default_device()
         )
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(

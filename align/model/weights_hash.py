@@ -150,3 +150,11 @@ def _check_shard_matches_index(path: Path, indexed: frozenset[str], found: set[s
     unlisted = sorted(found - indexed)
     if unlisted:
         raise ValueError(f"tensors {unlisted} in shard {path} are not listed in the index")
+
+
+def weights_fingerprint(checkpoint_dir: str | Path) -> dict[str, list[int]]:
+    """(size, mtime_ns) of every weight file: cheap evidence that a hashed checkpoint is unchanged."""
+    return {
+        path.name: [path.stat().st_size, path.stat().st_mtime_ns]
+        for path in sorted(checkpoint_layout(checkpoint_dir))
+    }

@@ -1,11 +1,13 @@
-"""The DPO stage's training and held-out evaluation of one arm.
+"""The DPO stage of one arm: the throughput probe, or training and held-out evaluation.
 
-Trains the policy from the SFT checkpoint against the cached reference log-probs,
-and scores the SFT and final policies on the held-out pairs the same way.
+Trains the policy from the SFT checkpoint against the reference cache the gates
+chose, and scores the SFT and final policies on the held-out pairs the same way.
+The probe runs the same set-up for `probe_steps` micro-steps and measures it.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +16,14 @@ import torch
 from align.config import ArmConfig
 from align.data.loader import PairShard
 from align.eval.preference import implicit_reward_preference, policy_preference, score_pairs
-from align.paths import ArmPaths
+from align.paths import SPLITS
 from align.train.adapters import DpoAdapter
+from align.train.probes import probe_figures
 from align.train.ref_cache import load_ref_cache
 from align.train.session import build_trainer, export_policy, load_policy, start_session
+from align.train.stage_gates import GateContext
+from align.train.trainer import peak_rss_bytes
+from align.utils.dist import DistInfo, all_reduce_sum
 
 
 def _ref(path: Path, key: dict[str, str], shard: PairShard) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,38 +31,78 @@ def _ref(path: Path, key: dict[str, str], shard: PairShard) -> tuple[torch.Tenso
     return torch.from_numpy(chosen), torch.from_numpy(rejected)
 
 
-def run_dpo(
-    cfg: ArmConfig,
-    checkpoint: str,
-    shards: dict[str, str],
-    caches: dict[str, tuple[Path, dict]],
-    paths: ArmPaths,
-):
-    info = start_session(paths.run_dir, cfg.run, cfg.batch)
-    train, held = PairShard(shards["train"]), PairShard(shards["held"])
-    ref_train = _ref(*caches["train"], train)
-    ref_held = _ref(*caches["held"], held)
-    model = load_policy(checkpoint, cfg.model, info, cfg.trainer)
-    eval_bs = cfg.eval.batch_size
-
-    sft_c, sft_r = score_pairs(model, held, eval_bs, info, desc="eval sft")
+def _setup(cfg: ArmConfig, ctx: GateContext, run_dir: Path, trainer_cfg):
+    info = start_session(run_dir, cfg.run, cfg.batch)
+    shards = {split: PairShard(ctx.entry["shards"][split]["path"]) for split in SPLITS}
+    refs = {split: _ref(*ctx.caches[split], shards[split]) for split in SPLITS}
+    model = load_policy(ctx.checkpoint, cfg.model, info, trainer_cfg)
     trainer = build_trainer(
-        model,
-        train,
-        DpoAdapter(cfg.dpo.beta, cfg.dpo.loss, *ref_train),
-        optim=cfg.optimizer,
-        batch=cfg.batch,
-        trainer=cfg.trainer,
-        run_dir=paths.run_dir,
-        stage="dpo",
-        info=info,
+        model, shards["train"], DpoAdapter(cfg.dpo.beta, cfg.dpo.loss, *refs["train"]),
+        optim=cfg.optimizer, batch=cfg.batch, trainer=trainer_cfg, run_dir=run_dir, stage="dpo", info=info,
     )
-    summary = trainer.fit()
+    return info, shards, refs, model, trainer
+
+
+def _peaks(info: DistInfo) -> tuple[float, float]:
+    """Job-wide peak host RSS (sum over ranks) and the largest rank's device peak, in MiB."""
+    device = torch.cuda.max_memory_allocated() / 2**20 if info.device.type == "cuda" else 0.0
+    rss, dev = all_reduce_sum([peak_rss_bytes() / 2**20, device])
+    return rss, dev / info.world_size if info.world_size else dev
+
+
+def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]:
+    import dataclasses
+
+    probe_cfg = dataclasses.replace(cfg.trainer, max_micro_steps=cfg.trainer.probe_steps, resume=False,
+                                    checkpoint_every=0)
+    info, _, _, _, trainer = _setup(cfg, ctx, ctx.arm.root / "probe_run", probe_cfg)
+    tokens_per_s: list[float] = []
+    trainer.fit(on_step=lambda m: tokens_per_s.append(m["tokens_per_s"]))
+    rss, device = _peaks(info)
+    figures = probe_figures(
+        trainer.state.step_times, tokens_per_s, trainer.state.micro_step, len(trainer.source), rss, device
+    )
+    return figures, info
+
+
+def banner(cfg: ArmConfig, ctx: GateContext, model, info: DistInfo) -> str:
+    """What is about to train, read off the running objects rather than the config."""
+    counts = ctx.entry["counts"]
+    rows = [
+        ("arm", cfg.arm),
+        ("checkpoint", f"{ctx.checkpoint} ({ctx.checkpoint_weights[:12]})"),
+        ("pairs", f"train {counts['train']}, held {counts['held']}"),
+        ("cache", f"{ctx.caches['train'][1]['forward_impl']} shard {ctx.caches['train'][1]['shard'][:12]}"),
+        ("path bias", f"ratio {ctx.path_bias['ratio']:.3f} -> {ctx.path_bias['action']}"),
+        ("RSS projection", f"{ctx.projection['total_mb']:.0f} MiB for {ctx.projection['optimizer']}"),
+        ("attention", model.attn_implementation),
+        ("world size", str(info.world_size)),
+        ("projected wall", f"{ctx.probe['projected_wall_s']:.0f} s (probe median {ctx.probe['median_step_s']:.3f} s/step)"),
+    ]
+    return "\n".join(f"  {name:<15} {value}" for name, value in rows)
+
+
+def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]:
+    arm = ctx.arm
+    info, shards, refs, model, trainer = _setup(cfg, ctx, arm.run_dir, cfg.trainer)
+    held = shards["held"]
+    eval_bs = cfg.eval.batch_size
+    sft_c, sft_r = score_pairs(model, held, eval_bs, info, desc="eval sft")
+    shown: list[str] = []
+
+    def on_step(metrics: dict[str, Any]) -> None:
+        if not shown and trainer.state.micro_step >= cfg.trainer.probe_steps:
+            shown.append(banner(cfg, ctx, model, info))
+            if info.is_main:
+                print(f"align dpo: banner\n{shown[0]}", file=sys.stderr, flush=True)
+
+    summary = trainer.fit(on_step=on_step)
     pol_c, pol_r = score_pairs(model, held, eval_bs, info, desc="eval policy")
-    export_policy(model, info, checkpoint, paths.policy_dir)
-    ref_c, ref_r = (t.numpy() for t in ref_held)
+    export_policy(model, info, ctx.checkpoint, arm.policy_dir)
+    ref_c, ref_r = (t.numpy() for t in refs["held"])
     figures: dict[str, Any] = {
         "world_size": info.world_size,
+        "banner": shown[0] if shown else None,
         "training": summary,
         "held_out": {
             "sft": policy_preference(sft_c, sft_r),

@@ -17,7 +17,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from align.model.attention import select_attn_implementation
 from align.model.checkpoint import DTYPES, hf_to_nmo, read_safetensors_state
 from align.model.hf_config import load_hf_config
 from align.model.mistral import NmoMistralForCausalLM
@@ -50,10 +49,9 @@ def load_sharded(
     activation_checkpointing: bool = False,
 ) -> NmoMistralForCausalLM:
     """Meta-device init, FSDP2 sharding, then rank 0 reads the weights and broadcasts shards."""
-    resolved = select_attn_implementation(attn_implementation, info.device)
     config = dataclasses.replace(load_hf_config(path), torch_dtype=dtype)
     with torch.device("meta"):
-        model = NmoMistralForCausalLM(config, resolved)
+        model = NmoMistralForCausalLM(config, attn_implementation, attn_device=info.device)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     apply_fsdp(model)

@@ -68,9 +68,11 @@ def expected_key(
     truncation: str,
     dtype: str,
     forward_impl: str,
+    checkpoint_weights: str | None = None,
 ) -> dict[str, str]:
+    """The six components; `checkpoint_weights` skips re-hashing a checkpoint already verified."""
     return {
-        "checkpoint_weights": weights_hash(checkpoint),
+        "checkpoint_weights": checkpoint_weights or weights_hash(checkpoint),
         "tokenizer": tokenizer_hash(checkpoint),
         "shard": hash_file(shard),
         "seq_len_truncation": f"{seq_len}:{truncation}",

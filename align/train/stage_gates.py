@@ -6,13 +6,23 @@ naming the gate, the file and the expected vs found value.
 
 from __future__ import annotations
 
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from align.config import ArmConfig
+from align.data.build import pinned_data_config
 from align.exit_codes import GateRefused
+from align.model.tokenizer import tokenizer_hash
+from align.model.weights_hash import weights_fingerprint, weights_hash
 from align.paths import SPLITS, RunPaths
-from align.receipts import PASSED, load_receipt, verify_hash
+from align.receipts import DESCOPED, FAILED, PASSED, load_receipt, verify_hash
+from align.train.path_bias import RECOMPUTE, required_forward_impl
+from align.train.probes import check_projection, projected_job_rss
+from align.train.ref_cache import check_key, expected_key, forward_impl_name
 
 
 def sft_gate(paths: RunPaths) -> dict[str, Any]:
@@ -29,8 +39,13 @@ def sft_gate(paths: RunPaths) -> dict[str, Any]:
     return receipt
 
 
-def manifest_entry(paths: RunPaths, cfg: ArmConfig) -> dict[str, Any]:
-    """The arm's manifest entry, with its counts equal to the pre-registration and shards intact."""
+def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> dict[str, Any]:
+    """The arm's manifest entry, refused unless its counts and pins equal the pre-registration.
+
+    Compared: the train / held counts with data.expected_*_pairs, every `[data]`
+    choice that shapes the shards (format, seq_len, truncation, filters, ...), the
+    tokenizer hash with that of the SFT checkpoint `checkpoint`, and each shard's hash.
+    """
     manifest = load_receipt(paths.manifest, "manifest", stage="build_manifest")
     arms = manifest.get("arms", {})
     if cfg.arm not in arms:
@@ -38,24 +53,204 @@ def manifest_entry(paths: RunPaths, cfg: ArmConfig) -> dict[str, Any]:
             "manifest", f"{paths.manifest}: arm {cfg.arm!r} absent (found {sorted(arms)})"
         )
     entry = arms[cfg.arm]
+    where = f"{paths.manifest}: arm {cfg.arm}"
+
+    def refuse_unless(thing: str, want: Any, found: Any) -> None:
+        if found != want:
+            raise GateRefused("manifest", f"{where} {thing} expected {want!r}, found {found!r}")
+
     expected = {"train": cfg.data.expected_train_pairs, "held": cfg.data.expected_held_pairs}
     for split in SPLITS:
-        found = entry["counts"][split]
-        if expected[split] is not None and found != expected[split]:
-            raise GateRefused(
-                "manifest",
-                f"{paths.manifest}: arm {cfg.arm} {split} pairs expected {expected[split]} "
-                f"(data.expected_{split}_pairs), found {found}",
+        if expected[split] is not None:
+            refuse_unless(
+                f"{split} pairs (data.expected_{split}_pairs)",
+                expected[split],
+                entry["counts"][split],
             )
+    for key in ("format", "seq_len", "truncation", "max_prompt_tokens"):
+        refuse_unless(f"data.{key}", getattr(cfg.data, key), entry.get(key))
+    recorded = _flat(entry.get("data_config", {}), "data.")
+    for key, want in _flat(pinned_data_config(cfg.data), "data.").items():
+        refuse_unless(key, want, recorded.get(key, "absent"))
+    pins = manifest.get("pins", {})
+    refuse_unless(
+        f"tokenizer hash (of the SFT checkpoint {checkpoint})",
+        tokenizer_hash(checkpoint),
+        pins.get("tokenizer_hash"),
+    )
+    for split in SPLITS:
         verify_hash("manifest", entry["shards"][split]["path"], entry["shards"][split]["hash"])
-    for key, want in (
-        ("seq_len", cfg.data.seq_len),
-        ("truncation", cfg.data.truncation),
-        ("format", cfg.data.format),
-    ):
-        if entry[key] != want:
-            raise GateRefused(
-                "manifest",
-                f"{paths.manifest}: arm {cfg.arm} {key} expected {want!r}, found {entry[key]!r}",
-            )
-    return {**entry, "pins": manifest["pins"]}
+    return {**entry, "pins": pins}
+
+
+def _flat(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+@dataclass
+class GateContext:
+    """What the gates establish, in order, for the stage that runs after them."""
+
+    cfg: ArmConfig
+    paths: RunPaths
+    checkpoint: str = ""
+    checkpoint_weights: str = ""
+    entry: dict[str, Any] = field(default_factory=dict)
+    caches: dict[str, tuple[Path, dict[str, str]]] = field(default_factory=dict)
+    path_bias: dict[str, Any] = field(default_factory=dict)
+    projection: dict[str, Any] = field(default_factory=dict)
+    probe: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def arm(self):
+        return self.paths.arm(self.cfg.arm)
+
+    @property
+    def descoped(self) -> bool:
+        return self.entry.get("status") == DESCOPED
+
+    def cache_key(self, split: str, forward_impl: str, dtype: str) -> dict[str, str]:
+        data = self.cfg.data
+        return expected_key(
+            self.checkpoint, self.entry["shards"][split]["path"], data.seq_len, data.truncation,
+            dtype, forward_impl, checkpoint_weights=self.checkpoint_weights,
+        )
+
+
+def trusted_checkpoint_hash(receipt: dict[str, Any]) -> str:
+    """The gate receipt's weight hash while the weight files are unchanged; else hash again."""
+    checkpoint = receipt["checkpoint"]
+    if receipt.get("checkpoint_fingerprint") == weights_fingerprint(checkpoint):
+        return receipt["checkpoint_hash"]
+    found = weights_hash(checkpoint)
+    if found != receipt["checkpoint_hash"]:
+        raise GateRefused(
+            "sft_gate",
+            f"{checkpoint}: weights hash expected {receipt['checkpoint_hash'][:12]} (sft/gate.json), found {found[:12]}",
+        )
+    return found
+
+
+def _gate_sft(ctx: GateContext) -> dict[str, Any]:
+    receipt = sft_gate(ctx.paths)
+    ctx.checkpoint = receipt["checkpoint"]
+    ctx.checkpoint_weights = trusted_checkpoint_hash(receipt)
+    return {"checkpoint": ctx.checkpoint, "weights": ctx.checkpoint_weights[:12]}
+
+
+def _gate_manifest(ctx: GateContext) -> dict[str, Any]:
+    ctx.entry = manifest_entry(ctx.paths, ctx.cfg, ctx.checkpoint)
+    counts = ctx.entry["counts"]
+    return {"status": ctx.entry["status"], "train": counts["train"], "held": counts["held"]}
+
+
+def _gate_ref_cache(ctx: GateContext) -> dict[str, Any]:
+    ref = ctx.cfg.ref
+    impl = forward_impl_name(ref.attn_implementation, ref.dtype, ref.batch_size)
+    for split in SPLITS:
+        key = ctx.cache_key(split, impl, ref.dtype)
+        check_key(ctx.arm.ref_cache(impl, split), key)
+        ctx.caches[split] = (ctx.arm.ref_cache(impl, split), key)
+    return {"forward_impl": impl}
+
+
+def _gate_path_bias(ctx: GateContext) -> dict[str, Any]:
+    report = load_receipt(ctx.arm.path_bias, "path_bias", stage="path_bias")
+    figures = report["figures"]
+    cache_impl = ctx.caches["train"][1]["forward_impl"]
+    if figures["cache_forward_impl"] != cache_impl:
+        raise GateRefused(
+            "path_bias",
+            f"{ctx.arm.path_bias}: measured against cache {figures['cache_forward_impl']!r}, expected {cache_impl!r}",
+        )
+    impl = required_forward_impl(report)
+    if figures["action"] == RECOMPUTE:
+        for split in SPLITS:
+            key = ctx.cache_key(split, impl, ctx.cfg.model.dtype)
+            check_key(ctx.arm.ref_cache(impl, split), key)
+            ctx.caches[split] = (ctx.arm.ref_cache(impl, split), key)
+    ctx.path_bias = figures
+    return {"action": figures["action"], "ratio": round(figures["ratio"], 4), "cache": impl}
+
+
+def _gate_preflight(ctx: GateContext) -> dict[str, Any]:
+    shard_bytes = sum(Path(ctx.entry["shards"][s]["path"]).stat().st_size for s in SPLITS)
+    ctx.projection = projected_job_rss(ctx.cfg, ctx.checkpoint, shard_bytes)
+    host = check_projection(ctx.projection, ctx.cfg.preflight.host_memory_fraction)
+    ctx.projection.update(host)
+    return {"projected_mb": round(ctx.projection["total_mb"]), "available_mb": round(host["available_mb"])}
+
+
+def _gate_probe(ctx: GateContext) -> dict[str, Any]:
+    receipt = load_receipt(ctx.arm.probe, "probe", stage="probe")
+    figures = receipt["figures"]
+    b = ctx.cfg.batch
+    measured_on = receipt.get("topology", {})
+    expected = {"world_size": b.world_size, "micro_batch": b.micro_batch, "grad_accum": b.grad_accum}
+    if measured_on != expected:
+        raise GateRefused("probe", f"{ctx.arm.probe}: measured on topology {measured_on}, expected {expected}")
+    projected, measured = ctx.projection["total_mb"], figures["peak_rss_mb"]
+    tolerance = ctx.cfg.preflight.calibration_tolerance
+    if projected < (1 - tolerance) * measured:
+        raise GateRefused(
+            "probe",
+            f"{ctx.arm.probe}: failed calibration: projected RSS {projected:.0f} MiB undershoots the measured "
+            f"peak {measured:.0f} MiB by more than {tolerance:.0%}",
+        )
+    ctx.probe = figures
+    return {"median_step_s": round(figures["median_step_s"], 4), "peak_rss_mb": round(measured)}
+
+
+GATE_ORDER: tuple[tuple[str, Callable[[GateContext], dict[str, Any]]], ...] = (
+    ("sft_gate", _gate_sft),
+    ("manifest", _gate_manifest),
+    ("ref_cache", _gate_ref_cache),
+    ("path_bias", _gate_path_bias),
+    ("preflight", _gate_preflight),
+    ("probe", _gate_probe),
+)
+GATE_NAMES = tuple(name for name, _ in GATE_ORDER)
+
+
+@dataclass
+class GateReport:
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def table(self) -> str:
+        lines = [f"  {'gate':<10} {'status':<8} {'ms':>8}  figures"]
+        for r in self.rows:
+            figures = ", ".join(f"{k}={v}" for k, v in r["figures"].items())
+            lines.append(f"  {r['gate']:<10} {r['status']:<8} {r['ms']:>8.2f}  {figures}")
+        return "\n".join(lines)
+
+
+def run_gates(ctx: GateContext, through: str) -> GateReport:
+    """Run GATE_ORDER up to and including `through`; a refusal stops everything after it.
+
+    A descoped arm stops after the manifest gate: there is nothing to check beyond it.
+    """
+    if through not in GATE_NAMES:
+        raise ValueError(f"unknown gate {through!r} (gates: {', '.join(GATE_NAMES)})")
+    report = GateReport()
+    for name, gate in GATE_ORDER:
+        started = time.perf_counter()
+        try:
+            figures = gate(ctx)
+        except GateRefused as err:
+            report.rows.append({"gate": name, "status": FAILED, "ms": _ms(started), "figures": {"reason": str(err)}})
+            print(f"align gates:\n{report.table()}", file=sys.stderr)
+            raise
+        report.rows.append({"gate": name, "status": PASSED, "ms": _ms(started), "figures": figures})
+        if name == through or (name == "manifest" and ctx.descoped):
+            break
+    return report
+
+
+def _ms(started: float) -> float:
+    return round(1e3 * (time.perf_counter() - started), 2)

@@ -21,7 +21,7 @@ def main() -> None:
     stage = Stage("sft_gate")
     checkpoint = Path(cfg.run.sft_checkpoint) if cfg.run.sft_checkpoint else paths.sft_checkpoint
     cap_threads(cfg.run.threads)
-    from align.model.weights_hash import weights_hash
+    from align.model.weights_hash import weights_fingerprint, weights_hash
     from align.train.sft_stage import evaluate_sft_gate
     from align.utils.dist import destroy_distributed
 
@@ -34,6 +34,7 @@ def main() -> None:
         passed=result["passed"],
         checkpoint=str(checkpoint),
         checkpoint_hash=weights_hash(checkpoint),
+        checkpoint_fingerprint=weights_fingerprint(checkpoint),
     )
     if not result["passed"]:
         print(json.dumps(receipt, indent=2), file=sys.stderr)

@@ -1,0 +1,273 @@
+"""The report's figures, drawn with matplotlib (Agg) from a `RunSummary`.
+
+Per arm: training curves (loss, reward margin, chosen and rejected log-probs of the
+policy against the reference), tripwire signals with their bands and alarms, and
+the probe's step times. Per run: held-out accuracies with Wilson intervals, and the
+paired evaluation behind the selection. A figure whose data a stage did not record
+says so on its canvas instead of being left out, so the report always has the same
+files. Every figure has one size, so a reader (or a test) can check it rendered.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from align.eval.selection import NOT_RECORDED
+from align.receipts import atomic_path
+from align.report import ArmRecord, ReportPaths, RunSummary, render_html
+
+FIGSIZE = (10.0, 6.0)
+DPI = 100
+FIGURE_PIXELS = (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
+POLICY_COLOR, REFERENCE_COLOR, ALARM_COLOR = "tab:blue", "tab:gray", "tab:red"
+
+
+def new_figure(nrows: int = 1, ncols: int = 1) -> tuple[Figure, Any]:
+    """A figure on its own Agg canvas: no pyplot, so no global figure state to leak."""
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols, squeeze=False)
+
+
+def save(fig: Figure, path: Path) -> None:
+    """Write the PNG atomically at the fixed size (no tight bbox, which would change it)."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=DPI)
+
+
+def message_figure(title: str, message: str) -> Figure:
+    """A figure that states why there is nothing to plot."""
+    fig, axes = new_figure()
+    ax = axes[0, 0]
+    ax.set_axis_off()
+    ax.set_title(title)
+    ax.text(0.5, 0.5, message, ha="center", va="center", wrap=True, fontsize=14)
+    return fig
+
+
+def series(metrics: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    rows = [m for m in metrics if key in m]
+    return [m["step"] for m in rows], [m[key] for m in rows]
+
+
+def reference_logps(metrics: Sequence[dict[str, Any]], side: str, beta: float) -> list[float]:
+    """The reference's mean log-prob per step: rewards/<side> = beta * (policy - reference)."""
+    return [m[f"logps/{side}"] - m[f"rewards/{side}"] / beta for m in metrics]
+
+
+def not_measured(record: ArmRecord, what: str) -> str:
+    if record.result is None:
+        return f"{what}: arm result {NOT_RECORDED}"
+    standing = record.standing
+    return f"{what} {NOT_RECORDED}\n({standing['standing']}: {standing['reason']})"
+
+
+def training_figure(record: ArmRecord) -> Figure:
+    title = f"{record.arm}: training"
+    if not record.metrics or record.beta is None:
+        return message_figure(title, not_measured(record, "training metrics"))
+    fig, axes = new_figure(2, 2)
+    fig.suptitle(f"{title} ({len(record.metrics)} optimizer steps, beta {record.beta})")
+    steps, loss = series(record.metrics, "loss")
+    axes[0, 0].plot(steps, loss, color=POLICY_COLOR)
+    axes[0, 0].axhline(0.6931, color=REFERENCE_COLOR, ls="--", label="log 2 (policy = reference)")
+    axes[0, 0].set(title="DPO loss", xlabel="step")
+    axes[0, 0].legend(fontsize=8)
+    steps, margins = series(record.metrics, "rewards/margins")
+    axes[0, 1].plot(steps, margins, color=POLICY_COLOR)
+    axes[0, 1].axhline(0.0, color=REFERENCE_COLOR, ls="--")
+    axes[0, 1].set(title="reward margin (chosen - rejected)", xlabel="step")
+    for ax, side in ((axes[1, 0], "chosen"), (axes[1, 1], "rejected")):
+        steps, policy = series(record.metrics, f"logps/{side}")
+        ax.plot(steps, policy, color=POLICY_COLOR, label="policy")
+        ax.plot(
+            steps,
+            reference_logps(record.metrics, side, record.beta),
+            color=REFERENCE_COLOR,
+            label="reference (SFT)",
+        )
+        ax.set(title=f"{side} response log-prob (batch mean)", xlabel="step")
+        ax.legend(fontsize=8)
+    return fig
+
+
+def band_span(ax, band: Sequence[float | None]) -> None:
+    low, high = band
+    if low is not None or high is not None:
+        ax.axhspan(
+            low if low is not None else ax.get_ylim()[0],
+            high if high is not None else ax.get_ylim()[1],
+            color="tab:green",
+            alpha=0.15,
+            label="band",
+        )
+
+
+def tripwire_figure(record: ArmRecord) -> Figure:
+    title = f"{record.arm}: tripwire signals"
+    tripwire = record.tripwire
+    if tripwire is None:
+        return message_figure(title, not_measured(record, "tripwire signals"))
+    signals = tripwire.get("signals", {})
+    if not signals:
+        return message_figure(
+            title,
+            f"tripwire section recorded no signals\n(alarms: {len(tripwire.get('alarms', []))})",
+        )
+    fig, grid = new_figure(len(signals), 1)
+    axes = list(grid[:, 0])
+    ended = "; training ended by tripwire" if tripwire.get("ended_by_tripwire") else ""
+    rerun = "; rerun" if tripwire.get("rerun") else ""
+    fig.suptitle(f"{title} ({len(tripwire.get('alarms', []))} alarms{rerun}{ended})")
+    for ax, (name, points) in zip(axes, signals.items(), strict=True):
+        ax.plot([p[0] for p in points], [p[1] for p in points], color=POLICY_COLOR)
+        band = tripwire.get("bands", {}).get(name)
+        if band is not None:
+            band_span(ax, band)
+        alarms = [a for a in tripwire.get("alarms", []) if a["name"] == name]
+        if alarms:
+            ax.scatter(
+                [a["step"] for a in alarms],
+                [a["value"] for a in alarms],
+                color=ALARM_COLOR,
+                marker="x",
+                s=60,
+                zorder=3,
+                label="alarm",
+            )
+        ax.set(title=name, xlabel="step")
+        if band is not None or alarms:
+            ax.legend(fontsize=8)
+    return fig
+
+
+def probe_figure(record: ArmRecord) -> Figure:
+    title = f"{record.arm}: probe step times"
+    times = record.step_times
+    if not times:
+        what = "probe receipt" if record.probe is None else "probe step times"
+        return message_figure(title, f"{what} {NOT_RECORDED}")
+    fig, axes = new_figure()
+    ax = axes[0, 0]
+    median = statistics.median(times)
+    ax.plot(range(len(times)), times, marker="o", color=POLICY_COLOR, label="step time")
+    ax.axhline(median, color=REFERENCE_COLOR, ls="--", label=f"median {median:.3f} s")
+    ax.set(title=f"{title} ({len(times)} measured steps)", xlabel="measured step", ylabel="s")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    return fig
+
+
+HELD_OUT_KEYS = (
+    ("sft", "SFT (preference)"),
+    ("policy", "policy (preference)"),
+    ("policy_implicit_reward", "policy (implicit reward)"),
+)
+
+
+def with_interval(ax, x: float, figure: dict[str, Any], **style) -> None:
+    acc = figure["accuracy"]
+    ax.errorbar(
+        [x],
+        [acc],
+        yerr=[[acc - figure["ci_low"]], [figure["ci_high"] - acc]],
+        fmt="o",
+        capsize=4,
+        **style,
+    )
+
+
+def held_out_figure(summary: RunSummary) -> Figure:
+    fig, axes = new_figure()
+    ax = axes[0, 0]
+    ax.set(
+        title="held-out preference accuracy per arm (Wilson 95% intervals)",
+        ylabel="accuracy",
+        ylim=(0, 1),
+    )
+    ax.axhline(0.5, color=REFERENCE_COLOR, ls=":", label="chance")
+    labels, labelled = [], set()
+    for i, record in enumerate(summary.arms):
+        held = (record.result or {}).get("figures", {}).get("held_out", {})
+        labels.append(record.arm if held else f"{record.arm}\n({not_measured_label(record)})")
+        for j, (key, name) in enumerate(HELD_OUT_KEYS):
+            if key in held:
+                label = None if key in labelled else name
+                labelled.add(key)
+                with_interval(ax, i + (j - 1) * 0.2, held[key], color=f"C{j}", label=label)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_xlim(-0.6, len(labels) - 0.4)
+    ax.legend(fontsize=8, loc="lower right")
+    return fig
+
+
+def not_measured_label(record: ArmRecord) -> str:
+    return record.standing["standing"] if record.result else NOT_RECORDED
+
+
+def paired_figure(summary: RunSummary) -> Figure:
+    selection = summary.selection
+    if selection is None:
+        return message_figure("paired evaluation", f"selection.json {NOT_RECORDED}")
+    figures, decision = selection["figures"], selection["decision"]
+    policies, comparisons = figures["policies"], figures["comparisons"]
+    fig, axes = new_figure(1, 3)
+    acc_ax, diff_ax, len_ax = axes[0]
+    fig.suptitle(
+        f"selected: {decision['selected'] or 'none'} ({decision['branch']}); "
+        f"eval set {figures['eval_set']['name']}, n={figures['eval_set']['pairs']}"
+    )
+    names = list(policies)
+    for i, name in enumerate(names):
+        with_interval(acc_ax, i, policies[name], color=f"C{i}")
+    acc_ax.axhline(0.5, color=REFERENCE_COLOR, ls=":")
+    acc_ax.set_xticks(range(len(names)), names)
+    acc_ax.set(title="paired accuracy (Wilson 95%)", ylim=(0, 1))
+    for i, c in enumerate(comparisons):
+        color = ALARM_COLOR if c["excludes_zero"] else POLICY_COLOR
+        diff_ax.errorbar(
+            [c["diff"]],
+            [i],
+            xerr=[[c["diff"] - c["ci_low"]], [c["ci_high"] - c["diff"]]],
+            fmt="o",
+            capsize=4,
+            color=color,
+        )
+    diff_ax.axvline(0.0, color=REFERENCE_COLOR, ls="--")
+    diff_ax.set_yticks(range(len(comparisons)), [f"{c['a']} - {c['b']}" for c in comparisons])
+    diff_ax.set(title="accuracy difference (paired bootstrap)", xlabel="difference")
+    lengths = [policies[n]["generation"]["mean_tokens"] for n in names]
+    len_ax.bar(range(len(names)), lengths, color=[f"C{i}" for i in range(len(names))])
+    tokens = figures["eval_set"].get("response_tokens", {})
+    for side, style in (("chosen", "--"), ("rejected", ":")):
+        if side in tokens:
+            len_ax.axhline(tokens[side], color=REFERENCE_COLOR, ls=style, label=f"data {side}")
+    len_ax.set_xticks(range(len(names)), names)
+    len_ax.set(title="greedy generation length (tokens)")
+    len_ax.legend(fontsize=8)
+    return fig
+
+
+def write_report_files(summary: RunSummary, paths: ReportPaths) -> list[Path]:
+    """Every figure and the summary page; returns the paths written."""
+    drawn = []
+    for record in summary.arms:
+        for name, draw in (
+            ("training", training_figure),
+            ("tripwires", tripwire_figure),
+            ("probe", probe_figure),
+        ):
+            drawn.append((paths.arm_figure(record.arm, name), draw(record)))
+    drawn.append((paths.run_figure("held_out"), held_out_figure(summary)))
+    drawn.append((paths.run_figure("paired"), paired_figure(summary)))
+    for path, fig in drawn:
+        save(fig, path)
+    with atomic_path(paths.summary_html) as tmp:
+        tmp.write_text(render_html(summary))
+    return [path for path, _ in drawn] + [paths.summary_html]

@@ -1,0 +1,292 @@
+"""Arm selection (section 13): what the selection reads, which arms may win, the decision.
+
+Owns the gates on the selection's inputs (the SFT gate's checkpoint, the manifest's
+held-out shards, arm results trained from that checkpoint whose policies still hash
+as recorded), the standing of each arm, and the pre-registered rule with the reason
+for its decision. A descoped arm was never measured; a tripwire-ended or failed arm
+was measured badly; the two are recorded apart and neither can be selected.
+Imports nothing heavy (no torch, no numpy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from align.config import SelectionConfig
+from align.data.shards import PAIR_FORMAT, read_metadata
+from align.exit_codes import ConfigError, GateRefused
+from align.model.weights_hash import weights_hash
+from align.paths import RunPaths
+from align.receipts import DESCOPED, FAILED, PASSED, hash_file, load_receipt, verify_hash
+
+RULES = ("paired_accuracy",)
+# The SFT policy's name among the scored policies; no arm may take it.
+SFT = "sft"
+UNION = "union"
+ELIGIBLE = "eligible"
+NEVER_MEASURED = "descoped"
+TRIPWIRE_ENDED = "tripwire_ended"
+FAILED_ARM = "failed"
+NOT_RECORDED = "not recorded"
+
+
+@dataclass(frozen=True)
+class SelectionPaths:
+    """The selection's working files beside selection.json: the eval set and the run dir."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, paths: RunPaths) -> SelectionPaths:
+        return cls(paths.selection.with_suffix(""))
+
+    @property
+    def eval_set(self) -> Path:
+        return self.root / "eval_pairs.safetensors"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "run"
+
+
+def check_selection_config(cfg: SelectionConfig, arms: Sequence[str], where: str) -> None:
+    """Refuse a pre-registration the rule cannot be applied with, naming the key."""
+    if cfg.rule not in RULES:
+        raise ConfigError(f"{where}: key 'rule' expected one of {RULES}, found {cfg.rule!r}")
+    if SFT in arms:
+        raise ConfigError(f"{where}: arm name {SFT!r} is the SFT policy's; rename the arm")
+    if cfg.default_arm not in arms:
+        raise ConfigError(
+            f"{where}: key 'default_arm' expected one of the workflow's arms {list(arms)}, "
+            f"found {cfg.default_arm!r}"
+        )
+    checks = (
+        ("paired.n_boot", cfg.paired.n_boot, cfg.paired.n_boot >= 1, "an integer >= 1"),
+        (
+            "paired.confidence",
+            cfg.paired.confidence,
+            0 < cfg.paired.confidence < 1,
+            "a fraction in (0, 1)",
+        ),
+        ("generation.prompts", cfg.generation.prompts, cfg.generation.prompts >= 1, ">= 1"),
+        (
+            "generation.max_new_tokens",
+            cfg.generation.max_new_tokens,
+            cfg.generation.max_new_tokens >= 1,
+            ">= 1",
+        ),
+    )
+    for key, value, ok, expected in checks:
+        if not ok:
+            raise ConfigError(f"{where}: key {key!r} expected {expected}, found {value!r}")
+
+
+def sft_weights_gate(gate: Mapping[str, Any]) -> str:
+    """The SFT checkpoint still has the weights the gate passed; returns their hash."""
+    found = weights_hash(gate["checkpoint"])
+    if found != gate["checkpoint_hash"]:
+        raise GateRefused(
+            "sft_gate",
+            f"{gate['checkpoint']}: weights hash expected {gate['checkpoint_hash'][:12]}, "
+            f"found {found[:12]}",
+        )
+    return found
+
+
+def manifest_gate(paths: RunPaths, arms: Sequence[str]) -> dict[str, Any]:
+    """The manifest lists every arm and its held-out shards are intact."""
+    manifest = load_receipt(paths.manifest, "manifest", stage="build_manifest")
+    for arm in arms:
+        if arm not in manifest.get("arms", {}):
+            raise GateRefused("manifest", f"{paths.manifest}: arm {arm!r} absent")
+        held = manifest["arms"][arm]["shards"]["held"]
+        verify_hash("manifest", held["path"], held["hash"])
+    return manifest
+
+
+def arm_result_gate(paths: RunPaths, arm: str, sft_checkpoint: str) -> dict[str, Any]:
+    """The arm's result; a policy it names was trained from this SFT checkpoint and is unchanged."""
+    path = paths.arm(arm).arm_result
+    result = load_receipt(path, "arm_result", stage="dpo")
+    if result.get("arm") != arm:
+        raise GateRefused(
+            "arm_result", f"{path}: arm expected {arm!r}, found {result.get('arm')!r}"
+        )
+    if "policy" not in result:
+        return result
+    if result.get("checkpoint") != sft_checkpoint:
+        raise GateRefused(
+            "arm_result",
+            f"{path}: trained from {result.get('checkpoint')!r}, expected the SFT gate's "
+            f"checkpoint {sft_checkpoint!r}",
+        )
+    recorded = result.get("outputs", {}).get(result["policy"])
+    if recorded is None:
+        raise GateRefused("arm_result", f"{path}: no weights hash recorded for {result['policy']}")
+    if not Path(result["policy"]).is_dir():
+        raise GateRefused("arm_result", f"{result['policy']}: policy missing ({path} names it)")
+    found = weights_hash(result["policy"])
+    if found != recorded:
+        raise GateRefused(
+            "arm_result",
+            f"{result['policy']}: weights hash expected {recorded[:12]}, found {found[:12]}",
+        )
+    return result
+
+
+def eval_set_sources(
+    eval_set: str, manifest: Mapping[str, Any], arms: Sequence[str]
+) -> dict[str, dict[str, str]]:
+    """The shards the common eval set is built from: every arm's held-out shard, or one named."""
+    if eval_set == UNION:
+        return {
+            arm: {
+                "path": manifest["arms"][arm]["shards"]["held"]["path"],
+                "hash": manifest["arms"][arm]["shards"]["held"]["hash"],
+            }
+            for arm in arms
+        }
+    path = Path(eval_set)
+    if not path.is_file():
+        raise GateRefused("eval_set", f"{path}: paired.eval_set names no file")
+    fmt = read_metadata(path).get("format")
+    if fmt != PAIR_FORMAT:
+        raise GateRefused("eval_set", f"{path}: format expected {PAIR_FORMAT!r}, found {fmt!r}")
+    return {str(path): {"path": str(path), "hash": hash_file(path)}}
+
+
+def tripwire_record(result: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The arm's tripwire section, or None when its DPO stage recorded none."""
+    return result.get("tripwire")
+
+
+def arm_standing(result: Mapping[str, Any]) -> dict[str, Any]:
+    """Whether the arm may be selected, and why not: never measured, or measured badly."""
+    tripwire = tripwire_record(result)
+    alarms = sorted({alarm["name"] for alarm in tripwire.get("alarms", [])}) if tripwire else []
+    base = {
+        "status": result["status"],
+        "tripwire": "recorded" if tripwire else NOT_RECORDED,
+        "alarms": alarms,
+        "rerun": bool(tripwire.get("rerun")) if tripwire else None,
+        "policy": result.get("policy"),
+    }
+
+    def standing(kind: str, measured: bool, reason: str) -> dict[str, Any]:
+        return {**base, "standing": kind, "measured": measured, "reason": reason}
+
+    why = result.get("reason", "no reason recorded")
+    if result.get("descoped") or result["status"] == DESCOPED:
+        return standing(NEVER_MEASURED, False, f"never measured: descoped ({why})")
+    if tripwire and tripwire.get("ended_by_tripwire"):
+        fired = ", ".join(alarms) or "no alarm named"
+        return standing(
+            TRIPWIRE_ENDED, True, f"measured badly: training ended by a tripwire ({fired})"
+        )
+    if result["status"] == FAILED:
+        return standing(FAILED_ARM, True, f"measured badly: arm result FAILED ({why})")
+    if result["status"] != PASSED:
+        raise GateRefused(
+            "arm_result", f"arm {result.get('arm')}: unknown status {result['status']!r}"
+        )
+    if base["rerun"]:
+        return standing(
+            ELIGIBLE,
+            True,
+            f"passed; a tripwire fired ({', '.join(alarms)}) and the pre-registered rerun passed",
+        )
+    return standing(ELIGIBLE, True, "passed")
+
+
+def oriented(comparisons: Sequence[Mapping[str, Any]], a: str, b: str) -> dict[str, Any]:
+    """The comparison of a against b, read from a's side whichever order it was computed in."""
+    for c in comparisons:
+        if (c["a"], c["b"]) == (a, b):
+            return dict(c)
+        if (c["a"], c["b"]) == (b, a):
+            return {
+                **c,
+                "a": a,
+                "b": b,
+                "accuracy_a": c["accuracy_b"],
+                "accuracy_b": c["accuracy_a"],
+                "diff": -c["diff"],
+                "ci_low": -c["ci_high"],
+                "ci_high": -c["ci_low"],
+            }
+    raise ValueError(f"no paired comparison of {a} and {b}")
+
+
+def describe(c: Mapping[str, Any]) -> str:
+    level = round(100 * c["confidence"])
+    return (
+        f"{c['a']} {c['accuracy_a']:.3f} vs {c['b']} {c['accuracy_b']:.3f}, difference "
+        f"{c['diff']:+.3f} [{level}% CI {c['ci_low']:+.3f}, {c['ci_high']:+.3f}]"
+    )
+
+
+def dominant_arm(eligible: Sequence[str], comparisons: Sequence[Mapping[str, Any]]) -> str | None:
+    """The arm whose paired accuracy beats every other eligible arm's with an interval above 0."""
+    for arm in eligible:
+        against = [oriented(comparisons, arm, other) for other in eligible if other != arm]
+        if all(c["ci_low"] > 0 for c in against):
+            return arm
+    return None
+
+
+def decide(
+    rule: str,
+    default_arm: str,
+    standings: Mapping[str, Mapping[str, Any]],
+    comparisons: Sequence[Mapping[str, Any]],
+) -> dict[str, Any]:
+    """Apply the pre-registered rule; every branch names itself and gives its reason."""
+    if rule not in RULES:
+        raise ConfigError(f"selection rule expected one of {RULES}, found {rule!r}")
+    eligible = [arm for arm, s in standings.items() if s["standing"] == ELIGIBLE]
+    excluded = {arm: s["reason"] for arm, s in standings.items() if s["standing"] != ELIGIBLE}
+    common = {"rule": rule, "default_arm": default_arm, "eligible": eligible, "excluded": excluded}
+    not_eligible = "; ".join(f"{arm} {why}" for arm, why in excluded.items())
+
+    def decision(selected: str | None, branch: str, reason: str) -> dict[str, Any]:
+        return {**common, "selected": selected, "branch": branch, "reason": reason}
+
+    if not eligible:
+        return decision(None, "no_eligible_arm", f"no arm can be selected: {not_eligible}")
+    if len(eligible) == 1:
+        return decision(
+            eligible[0],
+            "only_eligible_arm",
+            f"{eligible[0]} is the only eligible arm (not eligible: {not_eligible})",
+        )
+    winner = dominant_arm(eligible, comparisons)
+    if winner is not None:
+        evidence = "; ".join(
+            describe(oriented(comparisons, winner, other)) for other in eligible if other != winner
+        )
+        return decision(
+            winner,
+            "paired_accuracy",
+            f"{winner} has the higher paired accuracy and the interval excludes 0: {evidence}",
+        )
+    evidence = "; ".join(
+        describe(oriented(comparisons, a, b))
+        for i, a in enumerate(eligible)
+        for b in eligible[i + 1 :]
+    )
+    if default_arm in eligible:
+        return decision(
+            default_arm,
+            "default_arm",
+            f"no arm's paired accuracy advantage excludes 0 ({evidence}); "
+            f"the pre-registered default arm {default_arm} is selected",
+        )
+    return decision(
+        None,
+        "inconclusive_default_not_eligible",
+        f"no arm's paired accuracy advantage excludes 0 ({evidence}) and the pre-registered "
+        f"default arm {default_arm} is not eligible ({excluded.get(default_arm, 'not an arm')})",
+    )

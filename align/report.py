@@ -1,0 +1,403 @@
+"""The run's summary a researcher reads instead of logs: receipts gathered into tables.
+
+Owns where the report's files live (results/report/), gathering a results
+directory's receipts (SFT gate, manifest, each arm's result, metrics, tripwire
+section and probe receipt, the selection) into one `RunSummary`, and rendering it
+as terminal tables or as an HTML page with the same content. What a stage did not
+record is shown as "not recorded", never filled in. Imports nothing heavy: the
+figures are drawn by align.eval.plots.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from align.eval.selection import NOT_RECORDED, arm_standing, tripwire_record
+from align.paths import RunPaths
+
+ARM_FIGURES = ("training", "tripwires", "probe")
+RUN_FIGURES = ("held_out", "paired")
+
+
+@dataclass(frozen=True)
+class ReportPaths:
+    """The report's figures and summary page under results/report/."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, paths: RunPaths) -> ReportPaths:
+        return cls(paths.results / "report")
+
+    def arm_figure(self, arm: str, name: str) -> Path:
+        if name not in ARM_FIGURES:
+            raise ValueError(f"arm figure must be one of {ARM_FIGURES}, got {name!r}")
+        return self.root / arm / f"{name}.png"
+
+    def run_figure(self, name: str) -> Path:
+        if name not in RUN_FIGURES:
+            raise ValueError(f"run figure must be one of {RUN_FIGURES}, got {name!r}")
+        return self.root / f"{name}.png"
+
+    @property
+    def summary_html(self) -> Path:
+        return self.root / "summary.html"
+
+
+def read_json_if_present(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """One dict per optimizer step; empty when the arm logged none."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class ArmRecord:
+    """What one arm's stages recorded; None where a receipt is absent."""
+
+    arm: str
+    result: dict[str, Any] | None
+    metrics: list[dict[str, Any]]
+    probe: dict[str, Any] | None
+
+    @property
+    def tripwire(self) -> dict[str, Any] | None:
+        return tripwire_record(self.result) if self.result else None
+
+    @property
+    def step_times(self) -> list[float] | None:
+        if self.probe is None:
+            return None
+        return self.probe.get("figures", {}).get("step_times")
+
+    @property
+    def standing(self) -> dict[str, Any] | None:
+        return arm_standing(self.result) if self.result else None
+
+    @property
+    def beta(self) -> float | None:
+        if self.result is None:
+            return None
+        return self.result.get("config", {}).get("dpo", {}).get("beta")
+
+
+@dataclass
+class RunSummary:
+    results_dir: Path
+    sft_gate: dict[str, Any] | None
+    manifest: dict[str, Any] | None
+    selection: dict[str, Any] | None
+    arms: list[ArmRecord] = field(default_factory=list)
+
+
+def discover_arms(paths: RunPaths, manifest: dict[str, Any] | None) -> list[str]:
+    """The manifest's arms in its order, or every results/<arm>/ holding an arm result."""
+    if manifest is not None:
+        return list(manifest.get("arms", {}))
+    return sorted(p.parent.name for p in paths.results.glob("*/arm_result.json"))
+
+
+def gather(results_dir: str | Path, arms: Sequence[str] | None = None) -> RunSummary:
+    paths = RunPaths.of(results_dir)
+    manifest = read_json_if_present(paths.manifest)
+    summary = RunSummary(
+        results_dir=paths.results,
+        sft_gate=read_json_if_present(paths.sft_gate),
+        manifest=manifest,
+        selection=read_json_if_present(paths.selection),
+    )
+    for arm in arms or discover_arms(paths, manifest):
+        arm_paths = paths.arm(arm)
+        summary.arms.append(
+            ArmRecord(
+                arm=arm,
+                result=read_json_if_present(arm_paths.arm_result),
+                metrics=read_metrics(arm_paths.metrics),
+                probe=read_json_if_present(arm_paths.probe),
+            )
+        )
+    return summary
+
+
+@dataclass
+class Section:
+    """One titled table of the summary; `notes` are lines printed before it."""
+
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+    notes: list[str] = field(default_factory=list)
+
+
+def interval(figure: dict[str, Any] | None) -> str:
+    if not figure:
+        return NOT_RECORDED
+    return f"{figure['accuracy']:.3f} [{figure['ci_low']:.3f}, {figure['ci_high']:.3f}]"
+
+
+def signed(value: float | None, digits: int = 3) -> str:
+    return NOT_RECORDED if value is None else f"{value:+.{digits}f}"
+
+
+def sft_gate_section(gate: dict[str, Any] | None) -> Section:
+    headers = ["check", "value", "threshold", "passed"]
+    if gate is None:
+        return Section("SFT gate", headers, [], [f"SFT gate: {NOT_RECORDED}"])
+    rows = []
+    for name, check in gate.get("figures", {}).get("checks", {}).items():
+        threshold = (
+            f"<= {check['max']}"
+            if "max" in check
+            else f">= {check['min']}"
+            if "min" in check
+            else ""
+        )
+        rows.append([name, str(check["value"]), threshold, str(check["passed"])])
+    note = f"SFT gate {gate['status']}: checkpoint {gate.get('checkpoint')}"
+    return Section("SFT gate", headers, rows, [note])
+
+
+def tripwire_cell(record: ArmRecord) -> str:
+    tripwire = record.tripwire
+    if tripwire is None:
+        return NOT_RECORDED
+    if tripwire.get("ended_by_tripwire"):
+        return f"ended by tripwire ({len(tripwire.get('alarms', []))} alarms)"
+    rerun = ", rerun" if tripwire.get("rerun") else ""
+    return f"{len(tripwire.get('alarms', []))} alarms{rerun}"
+
+
+def probe_cell(record: ArmRecord) -> str:
+    times = record.step_times
+    if not times:
+        return NOT_RECORDED
+    return f"median {statistics.median(times):.3f} s/step ({len(times)} steps)"
+
+
+def arms_section(arms: Sequence[ArmRecord]) -> Section:
+    headers = [
+        "arm",
+        "status",
+        "standing",
+        "steps",
+        "final loss",
+        "final margin",
+        "held-out SFT",
+        "policy",
+        "implicit reward",
+        "tripwire",
+        "probe",
+    ]
+    rows = []
+    for record in arms:
+        if record.result is None:
+            rows.append([record.arm, NOT_RECORDED, *[""] * (len(headers) - 2)])
+            continue
+        held = record.result.get("figures", {}).get("held_out", {})
+        last = record.metrics[-1] if record.metrics else {}
+        rows.append(
+            [
+                record.arm,
+                record.result["status"],
+                record.standing["standing"],
+                str(len(record.metrics)) if record.metrics else NOT_RECORDED,
+                f"{last['loss']:.4f}" if last else NOT_RECORDED,
+                signed(last.get("rewards/margins")) if last else NOT_RECORDED,
+                interval(held.get("sft")),
+                interval(held.get("policy")),
+                interval(held.get("policy_implicit_reward")),
+                tripwire_cell(record),
+                probe_cell(record),
+            ]
+        )
+    return Section("Arms (held-out accuracy with Wilson 95% intervals)", headers, rows)
+
+
+def gates_section(arms: Sequence[ArmRecord], selection: dict[str, Any] | None) -> Section:
+    rows = [
+        [record.arm, g["gate"], g["status"], f"{g['ms']:.2f}"]
+        for record in arms
+        if record.result
+        for g in record.result.get("gates", [])
+    ]
+    if selection is not None:
+        rows += [
+            ["select_arms", g["gate"], g["status"], f"{g['ms']:.2f}"]
+            for g in selection.get("gates", [])
+        ]
+    return Section("Gates", ["stage", "gate", "status", "ms"], rows)
+
+
+def alarms_section(arms: Sequence[ArmRecord]) -> Section:
+    rows, notes = [], []
+    for record in arms:
+        tripwire = record.tripwire
+        if tripwire is None:
+            notes.append(f"{record.arm}: tripwire signals {NOT_RECORDED}")
+            continue
+        for alarm in tripwire.get("alarms", []):
+            rows.append(
+                [
+                    record.arm,
+                    alarm["name"],
+                    str(alarm["step"]),
+                    f"{alarm['value']:.4g}",
+                    str(alarm.get("band")),
+                ]
+            )
+        if not tripwire.get("alarms"):
+            notes.append(f"{record.arm}: no tripwire alarm")
+    return Section("Tripwire alarms", ["arm", "signal", "step", "value", "band"], rows, notes)
+
+
+def paired_sections(selection: dict[str, Any] | None) -> list[Section]:
+    if selection is None:
+        return [Section("Paired evaluation", [], [], [f"selection.json: {NOT_RECORDED}"])]
+    figures = selection["figures"]
+    eval_set = figures["eval_set"]
+    tokens = eval_set.get("response_tokens", {})
+    note = (
+        f"eval set {eval_set['name']}: {eval_set['pairs']} pairs from "
+        f"{', '.join(f'{k} {v}' for k, v in eval_set['sources'].items())} "
+        f"({eval_set['duplicates_removed']} duplicates removed); data responses average "
+        f"{tokens.get('chosen', float('nan')):.1f} chosen / "
+        f"{tokens.get('rejected', float('nan')):.1f} rejected tokens"
+    )
+    policy_rows = [
+        [
+            name,
+            interval(p),
+            signed(p["mean_chosen_logp_change"], 2),
+            signed(p["mean_rejected_logp_change"], 2),
+            f"{p['generation']['mean_tokens']:.1f}",
+            f"{p['generation']['terminated_fraction']:.2f}",
+            p["method"],
+        ]
+        for name, p in figures["policies"].items()
+    ]
+    comparison_rows = [
+        [
+            f"{c['a']} - {c['b']}",
+            f"{c['diff']:+.3f} [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}]",
+            "yes" if c["excludes_zero"] else "no",
+            str(c["mcnemar"]["a_only"]),
+            str(c["mcnemar"]["b_only"]),
+            f"{c['mcnemar']['p_value']:.4g}",
+        ]
+        for c in figures["comparisons"]
+    ]
+    return [
+        Section(
+            "Paired evaluation on the common held-out set",
+            [
+                "policy",
+                "accuracy [95% CI]",
+                "chosen logp vs SFT",
+                "rejected logp vs SFT",
+                "greedy tokens",
+                "terminated",
+                "correct when",
+            ],
+            policy_rows,
+            [note],
+        ),
+        Section(
+            "Paired comparisons (paired bootstrap interval, exact McNemar)",
+            ["a - b", "accuracy difference [CI]", "excludes 0", "a only", "b only", "McNemar p"],
+            comparison_rows,
+        ),
+    ]
+
+
+def selection_section(selection: dict[str, Any] | None) -> Section:
+    headers = ["arm", "status", "standing", "reason"]
+    if selection is None:
+        return Section("Selection", headers, [], [f"selection: {NOT_RECORDED}"])
+    decision = selection["decision"]
+    rows = [[arm, s["status"], s["standing"], s["reason"]] for arm, s in selection["arms"].items()]
+    notes = [
+        f"rule {decision['rule']}, pre-registered default arm {decision['default_arm']}",
+        f"selected: {decision['selected'] or 'none'} ({decision['branch']})",
+        f"reason: {decision['reason']}",
+    ]
+    return Section("Selection", headers, rows, notes)
+
+
+def sections(summary: RunSummary) -> list[Section]:
+    return [
+        sft_gate_section(summary.sft_gate),
+        arms_section(summary.arms),
+        gates_section(summary.arms, summary.selection),
+        alarms_section(summary.arms),
+        *paired_sections(summary.selection),
+        selection_section(summary.selection),
+    ]
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=True)]
+    line = "  ".join
+
+    def fmt(cells: Sequence[str]) -> str:
+        return line(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+
+    return [fmt(headers), line("-" * w for w in widths), *(fmt(r) for r in rows)]
+
+
+def render_text(summary: RunSummary) -> str:
+    out = [f"align report: {summary.results_dir}"]
+    for section in sections(summary):
+        out += ["", f"== {section.title}", *section.notes]
+        if section.headers and section.rows:
+            out += text_table(section.headers, section.rows)
+    return "\n".join(out) + "\n"
+
+
+def html_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+STYLE = (
+    "body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;margin:.5em 0}"
+    "td,th{border:1px solid #bbb;padding:.2em .5em;text-align:left}th{background:#eee}"
+)
+
+
+def render_html(summary: RunSummary) -> str:
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>align report: {html.escape(str(summary.results_dir))}</title>",
+        f"<style>{STYLE}</style></head><body>",
+        f"<h1>align report: {html.escape(str(summary.results_dir))}</h1>",
+    ]
+    for section in sections(summary):
+        parts.append(f"<h2>{html.escape(section.title)}</h2>")
+        parts += [f"<p>{html.escape(note)}</p>" for note in section.notes]
+        if section.headers and section.rows:
+            parts.append(html_table(section.headers, section.rows))
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def selection_labels(selection_path: str | Path) -> dict[str, str]:
+    """The decision as report labels, so the report's front page can show it."""
+    decision = json.loads(Path(selection_path).read_text())["decision"]
+    return {
+        "selected arm": decision["selected"] or "none",
+        "branch": decision["branch"],
+        "reason": decision["reason"],
+    }

@@ -1,0 +1,72 @@
+"""Reference log-probs of every pair (rule `ref_cache`), or with --path-bias the step-0
+measurement of the training forward path against that cache (rule `path_bias`)."""
+
+from __future__ import annotations
+
+import sys
+
+from align.config import ArmConfig, load_config
+from align.exit_codes import run_with_exit_codes
+from align.paths import SPLITS, ArmPaths, RunPaths
+from align.receipts import PASSED, hash_file
+from align.stage import Stage, parse_stage_args
+from align.train import stage_gates
+from align.train.ref_cache import expected_key, forward_impl_name
+from align.utils.guard import cap_threads
+
+
+def build_caches(loaded, checkpoint: str, entry: dict, arm: ArmPaths, stage: Stage) -> None:
+    from align.train.ref_precompute import precompute_ref_caches
+
+    cfg = loaded.cfg
+    forward_impl = forward_impl_name(cfg.ref.attn_implementation, cfg.ref.dtype, cfg.ref.batch_size)
+    jobs = []
+    for split in SPLITS:
+        shard = entry["shards"][split]["path"]
+        key = expected_key(checkpoint, shard, cfg.data.seq_len, cfg.data.truncation, cfg.ref.dtype, forward_impl)
+        jobs.append((shard, arm.ref_cache(forward_impl, split), key))
+    figures, info = precompute_ref_caches(checkpoint, jobs, cfg.ref, cfg.run, arm.ref_dir(forward_impl))
+    if info.is_main:
+        receipt = stage.receipt(
+            loaded, PASSED, inputs={checkpoint: jobs[0][2]["checkpoint_weights"]},
+            outputs={str(out): hash_file(out) for _, out, _ in jobs}, figures=figures, forward_impl=forward_impl,
+        )
+        stage.write(arm.ref_receipt(forward_impl), receipt)
+
+
+def measure_path_bias(loaded, checkpoint: str, entry: dict, arm: ArmPaths, stage: Stage) -> None:
+    from align.train.path_bias import table
+    from align.train.ref_precompute import run_path_bias
+
+    cfg = loaded.cfg
+    cache_impl = forward_impl_name(cfg.ref.attn_implementation, cfg.ref.dtype, cfg.ref.batch_size)
+    shard = entry["shards"]["train"]["path"]
+    key = expected_key(checkpoint, shard, cfg.data.seq_len, cfg.data.truncation, cfg.ref.dtype, cache_impl)
+    figures, info = run_path_bias(cfg, checkpoint, shard, arm.ref_cache(cache_impl, "train"), key, arm.run_dir)
+    if info.is_main:
+        print(f"align path_bias: arm {cfg.arm}\n{table(figures)}", file=sys.stderr)
+        receipt = stage.receipt(
+            loaded, PASSED, inputs={str(arm.ref_cache(cache_impl, "train")): hash_file(arm.ref_cache(cache_impl, "train"))},
+            figures=figures, checkpoint=checkpoint,
+        )
+        stage.write(arm.path_bias, receipt)
+
+
+def main() -> None:
+    args = parse_stage_args(sys.argv[1:], flags=("path-bias",))
+    loaded = load_config(args.configs[0], ArmConfig, args.overrides)
+    cfg, paths = loaded.cfg, RunPaths.of(loaded.cfg.run.results_dir)
+    mode = "path_bias" if "path-bias" in args.flags else "ref_cache"
+    stage = Stage(mode)
+    checkpoint = stage_gates.sft_gate(paths)["checkpoint"]
+    entry = stage_gates.manifest_entry(paths, cfg, checkpoint)
+    cap_threads(cfg.run.threads)
+    from align.utils.dist import destroy_distributed
+
+    run = measure_path_bias if mode == "path_bias" else build_caches
+    run(loaded, checkpoint, entry, paths.arm(cfg.arm), stage)
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    run_with_exit_codes(main, "precompute_ref_logprobs")

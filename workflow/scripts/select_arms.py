@@ -1,0 +1,139 @@
+"""Select-arms stage (section 13): paired evaluation of every policy, then the pre-registered rule.
+
+`select_arms.py config/selection.toml config/arms/<arm>.toml ... [--k=v ...]`: the
+first config is the selection's pre-registration, the others name the arms. Every
+input is re-checked before torch is imported; selection.json records the rule, the
+hashes of what was read, the paired statistics and the decision with its reason.
+A run in which no arm can be selected is a finding, not an error: it writes a
+FAILED receipt that says why, so the report can show it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from align.config import ArmConfig, SelectionConfig, load_config, to_dict
+from align.eval import selection as sel
+from align.exit_codes import run_with_exit_codes
+from align.paths import RunPaths
+from align.receipts import FAILED, PASSED, hash_file
+from align.stage import Stage, parse_stage_args
+from align.train import stage_gates
+from align.utils.guard import cap_threads
+
+
+class Gates:
+    """Runs each gate once, timing it; the first refusal propagates."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def run(self, name: str, fn, *args):
+        started = time.perf_counter()
+        result = fn(*args)
+        ms = round(1e3 * (time.perf_counter() - started), 2)
+        self.rows.append({"gate": name, "status": PASSED, "ms": ms})
+        return result
+
+
+def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, policies):
+    """Build the common eval set, score the SFT policy and every arm policy on it."""
+    from align.data.loader import PairShard
+    from align.data.shards import PAIR_FORMAT, read_shard, write_shard
+    from align.eval import paired
+    from align.train.session import start_session
+
+    work = sel.SelectionPaths.of(paths)
+    info = start_session(work.run_dir, cfg.run, None)
+    arrays, union = paired.union_pairs(
+        {name: read_shard(src["path"]) for name, src in sources.items()}, pins["pad_id"]
+    )
+    write_shard(work.eval_set, arrays, PAIR_FORMAT, split="eval", sources=sorted(sources))
+    shard = PairShard(work.eval_set)
+    prompts = paired.generation_prompts(arrays, cfg.generation.prompts)
+    scores = {
+        name: paired.score_policy(
+            checkpoint,
+            cfg.model,
+            info,
+            shard,
+            cfg.eval.batch_size,
+            prompts,
+            cfg.generation.max_new_tokens,
+            pins["eos_id"],
+        )
+        for name, checkpoint in policies.items()
+    }
+    figures = paired.policy_figures(scores, cfg.paired, cfg.generation.max_new_tokens)
+    eval_set = {
+        "name": cfg.paired.eval_set,
+        "path": str(work.eval_set),
+        "hash": hash_file(work.eval_set),
+        **union,
+        "response_tokens": paired.response_lengths(arrays),
+    }
+    return {"eval_set": eval_set, **figures}
+
+
+def main() -> None:
+    args = parse_stage_args(sys.argv[1:], n_configs=None)
+    selection_toml, *arm_tomls = args.configs
+    loaded = load_config(selection_toml, SelectionConfig, args.overrides)
+    cfg, paths = loaded.cfg, RunPaths.of(loaded.cfg.run.results_dir)
+    arms = [load_config(path, ArmConfig).cfg.arm for path in arm_tomls]
+    sel.check_selection_config(cfg, arms, str(selection_toml))
+    stage = Stage("select_arms")
+    gates = Gates()
+    gate = gates.run("sft_gate", stage_gates.sft_gate, paths)
+    sft_hash = gates.run("sft_weights", sel.sft_weights_gate, gate)
+    manifest = gates.run("manifest", sel.manifest_gate, paths, arms)
+    results = {
+        arm: gates.run(f"arm_result:{arm}", sel.arm_result_gate, paths, arm, gate["checkpoint"])
+        for arm in arms
+    }
+    sources = gates.run("eval_set", sel.eval_set_sources, cfg.paired.eval_set, manifest, arms)
+    standings = {arm: sel.arm_standing(results[arm]) for arm in arms}
+    # Measured arms with a policy are scored even when not eligible, so a badly
+    # measured arm is still seen beside the others; only the decision skips it.
+    scored = [arm for arm in arms if standings[arm]["measured"] and results[arm].get("policy")]
+    policies = {sel.SFT: gate["checkpoint"], **{arm: results[arm]["policy"] for arm in scored}}
+
+    cap_threads(cfg.run.threads)
+    from align.utils.dist import destroy_distributed
+
+    figures = score_everything(cfg, paths, sources, manifest["pins"], policies)
+    decision = sel.decide(cfg.rule, cfg.default_arm, standings, figures["comparisons"])
+    inputs = {
+        str(paths.sft_gate): hash_file(paths.sft_gate),
+        gate["checkpoint"]: sft_hash,
+        str(paths.manifest): hash_file(paths.manifest),
+        **{src["path"]: src["hash"] for src in sources.values()},
+        **{str(paths.arm(arm).arm_result): hash_file(paths.arm(arm).arm_result) for arm in arms},
+        **{
+            results[arm]["policy"]: results[arm]["outputs"][results[arm]["policy"]]
+            for arm in scored
+        },
+    }
+    receipt = stage.receipt(
+        loaded,
+        PASSED if decision["selected"] else FAILED,
+        inputs=inputs,
+        outputs={figures["eval_set"]["path"]: figures["eval_set"]["hash"]},
+        figures=figures,
+        rule={"name": cfg.rule, "default_arm": cfg.default_arm, "paired": to_dict(cfg.paired)},
+        arms=standings,
+        decision=decision,
+        gates=gates.rows,
+    )
+    stage.write(paths.selection, receipt)
+    print(
+        f"align select_arms: selected {decision['selected']} ({decision['branch']}): "
+        f"{decision['reason']}",
+        file=sys.stderr,
+    )
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    run_with_exit_codes(main, "select_arms")
