@@ -30,7 +30,7 @@ class ChatTemplateError(ValueError):
 class _GenerationBlock(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` renders its body; only masks would need more."""
 
-    tags = {"generation"}
+    tags = frozenset({"generation"})
 
     def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno

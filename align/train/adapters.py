@@ -12,6 +12,7 @@ import torch
 from align.data.loader import TokenBatch
 from align.losses.dpo import dpo_losses
 from align.train.logprobs import sequence_logps, token_logps
+from align.train.tripwires import PairStats
 
 
 class SftAdapter:
@@ -55,6 +56,7 @@ class DpoAdapter:
         self.loss_name = loss
         self.ref_chosen = ref_chosen
         self.ref_rejected = ref_rejected
+        self.pair_stats: list[PairStats] = []  # drained by the tripwires after each step
 
     def step_denominator(self, micro_batches: list[TokenBatch]) -> float:
         return float(sum(len(b.rows) for b in micro_batches))
@@ -82,6 +84,15 @@ class DpoAdapter:
             "logps/chosen": float(logps[:n].detach().sum()),
             "logps/rejected": float(logps[n:].detach().sum()),
         }
+        tokens = batch.loss_mask[:, 1:].sum(-1).double()
+        self.pair_stats.append(
+            PairStats(
+                chosen_logratio_per_token=(chosen_r.double() / self.beta / tokens[:n]).numpy(),
+                margins=(chosen_r - rejected_r).double().numpy(),
+                chosen_tokens=tokens[:n].numpy(),
+                rejected_tokens=tokens[n:].numpy(),
+            )
+        )
         return losses.sum() / denominator, sums
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:

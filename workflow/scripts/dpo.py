@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 
 from align.config import ArmConfig, load_config, to_dict
-from align.exit_codes import run_with_exit_codes
+from align.exit_codes import TripwireFired, run_with_exit_codes
 from align.paths import RunPaths
-from align.receipts import DESCOPED, PASSED, hash_file
+from align.receipts import DESCOPED, FAILED, PASSED, hash_file
 from align.stage import Stage, is_main_process, parse_stage_args
 from align.train.stage_gates import GateContext, run_gates
 from align.utils.guard import cap_threads
@@ -66,25 +66,30 @@ def write_arm_result(loaded, ctx: GateContext, stage: Stage, out, common: dict) 
     from align.train.dpo_stage import run_dpo
 
     figures, info = run_dpo(loaded.cfg, ctx)
-    if not info.is_main:
-        return
-    arm = ctx.arm
-    caches = {split: str(path) for split, (path, _) in ctx.caches.items()}
-    receipt = stage.receipt(
-        loaded, PASSED, descoped=False,
-        inputs={ctx.checkpoint: ctx.checkpoint_weights, **{p: hash_file(p) for p in caches.values()}},
-        outputs={str(arm.policy_dir): weights_hash(arm.policy_dir)},
-        figures=figures, checkpoint=ctx.checkpoint, caches=caches, policy=str(arm.policy_dir),
-        path_bias=ctx.path_bias, projection=ctx.projection, **common,
-    )
-    stage.write(out, receipt)
-    held = figures["held_out"]
-    print(
-        f"align dpo: arm {loaded.cfg.arm} held-out preference accuracy sft {held['sft']['accuracy']:.3f} -> "
-        f"policy {held['policy']['accuracy']:.3f} [{held['policy']['ci_low']:.3f}, {held['policy']['ci_high']:.3f}]",
-        file=sys.stderr,
-    )
-
+    tripwire = figures.pop("tripwire")
+    ended = tripwire["ended_by_tripwire"]
+    if info.is_main:
+        arm = ctx.arm
+        caches = {split: str(path) for split, (path, _) in ctx.caches.items()}
+        receipt = stage.receipt(
+            loaded, FAILED if ended else PASSED, descoped=False,
+            inputs={ctx.checkpoint: ctx.checkpoint_weights, **{p: hash_file(p) for p in caches.values()}},
+            outputs={str(arm.policy_dir): weights_hash(arm.policy_dir)},
+            figures=figures, tripwire=tripwire, checkpoint=ctx.checkpoint, caches=caches,
+            policy=str(arm.policy_dir), path_bias=ctx.path_bias, projection=ctx.projection, **common,
+        )
+        stage.write(out, receipt)
+        held = figures["held_out"]
+        print(
+            f"align dpo: arm {loaded.cfg.arm} held-out preference accuracy sft {held['sft']['accuracy']:.3f} -> "
+            f"policy {held['policy']['accuracy']:.3f} [{held['policy']['ci_low']:.3f}, {held['policy']['ci_high']:.3f}]"
+            + (f"; rerun with {tripwire['response']} after {tripwire['alarms']}" if tripwire["rerun"] else ""),
+            file=sys.stderr,
+        )
+    if ended:
+        raise TripwireFired(
+            f"arm {loaded.cfg.arm}: tripwire fired again after the pre-registered rerun: {tripwire['rerun_alarms']}"
+        )
 
 if __name__ == "__main__":
     run_with_exit_codes(main, "dpo")

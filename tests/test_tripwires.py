@@ -1,0 +1,103 @@
+"""Tripwire detectors on synthetic metric streams, and their union across two ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch.multiprocessing as mp
+
+from align.config import TripwireConfig
+from align.train.tripwires import ChosenCollapse, LengthDrift, PairStats, Tripwires
+
+
+def stats(logratio, margins, chosen_tokens, rejected_tokens) -> PairStats:
+    return PairStats(
+        np.asarray(logratio, float),
+        np.asarray(margins, float),
+        np.asarray(chosen_tokens, float),
+        np.asarray(rejected_tokens, float),
+    )
+
+
+def never(flag: bool) -> bool:
+    return flag
+
+
+def test_collapse_fires_when_chosen_logratio_falls_below_the_floor_while_margins_grow():
+    detector = ChosenCollapse(window=8, floor=-0.5)
+    detector.update(stats([0.0] * 8, [0.1] * 8, [5] * 8, [5] * 8))
+    assert not detector.fired()
+    detector.update(stats([-2.0] * 8, [3.0] * 8, [5] * 8, [5] * 8))
+    assert detector.fired()
+    assert detector.signal() == pytest.approx(-2.0)
+
+
+def test_collapse_does_not_fire_when_margins_do_not_grow():
+    detector = ChosenCollapse(window=8, floor=-0.5)
+    detector.update(stats([0.0] * 8, [1.0] * 8, [5] * 8, [5] * 8))
+    detector.update(stats([-2.0] * 8, [0.5] * 8, [5] * 8, [5] * 8))
+    assert not detector.fired()
+
+
+def test_collapse_does_not_fire_above_the_floor():
+    detector = ChosenCollapse(window=4, floor=-0.5)
+    detector.update(stats([0.0] * 4, [0.1] * 4, [5] * 4, [5] * 4))
+    detector.update(stats([-0.1] * 4, [2.0] * 4, [5] * 4, [5] * 4))
+    assert not detector.fired()
+
+
+def test_length_drift_fires_only_once_the_window_is_full():
+    detector = LengthDrift(window=10, baseline=0.5, band=0.2)
+    # Every pair prefers the longer response: fraction 1.0, far outside [0.3, 0.7].
+    detector.update(stats([0] * 9, [1.0] * 9, [9] * 9, [4] * 9))
+    assert detector.signal() == 1.0
+    assert not detector.fired()
+    detector.update(stats([0], [1.0], [9], [4]))
+    assert detector.fired()
+
+
+def test_length_drift_ignores_equal_lengths_and_stays_quiet_inside_the_band():
+    detector = LengthDrift(window=4, baseline=0.5, band=0.2)
+    detector.update(stats([0] * 6, [1, -1, 1, -1, 1, 1], [9, 9, 9, 9, 5, 5], [4, 4, 4, 4, 5, 5]))
+    assert len(detector.prefers_longer) == 4
+    assert detector.signal() == 0.5
+    assert not detector.fired()
+
+
+def test_tripwires_record_signals_and_bands_per_step():
+    wires = Tripwires.armed(TripwireConfig(logps_window=2, length_window_pairs=2), 0.5)
+    wires.update([stats([-0.1, -0.2], [0.1, 0.2], [3, 4], [4, 3])])
+    assert wires.check(step=0, any_rank=never) == []
+    assert wires.signals["chosen_logp_collapse"] == [[0, pytest.approx(-0.15)]]
+    assert wires.bands()["length_drift"] == [0.25, 0.75]
+
+
+def _rank(rank: int, world: int, init: str, out) -> None:
+    import torch.distributed as dist
+
+    from align.utils.dist import any_rank
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    wires = Tripwires.armed(
+        TripwireConfig(collapse=False, length_window_pairs=4, length_band=0.1), 0.5
+    )
+    # Rank 1's pairs all prefer the longer response; rank 0's do so half the time (in band).
+    margins = [1.0, -1.0, 1.0, -1.0] if rank == 1 else [1.0, 1.0, -1.0, -1.0]
+    wires.update([stats([0] * 4, margins, [9, 4, 9, 4], [4, 9, 4, 9])])
+    assert wires.detectors[0].fired() == (rank == 1)
+    alarms = wires.check(step=3, any_rank=any_rank)
+    out.put((rank, [a.name for a in alarms]))
+    dist.destroy_process_group()
+
+
+def test_alarms_are_a_union_across_two_ranks(tmp_path):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"file://{tmp_path / 'store'}"
+    procs = [ctx.Process(target=_rank, args=(r, 2, init, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert results == {0: ["length_drift"], 1: ["length_drift"]}
