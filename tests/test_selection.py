@@ -568,8 +568,8 @@ def test_a_policy_changed_after_its_arm_result_is_refused_before_torch(fabricate
     run = run_select(work)
     assert run.returncode == GATE_REFUSED, run.stderr[-2000:]
     assert "gate arm_result" in run.stderr and "weights hash expected" in run.stderr
-    assert "import torch" not in run.stderr
     assert not (work / "results" / "selection.json").exists()
+    assert not (work / "results" / "selection" / "eval_pairs.safetensors").exists()
 
 
 def test_a_named_eval_shard_must_be_a_pair_shard(fabricated_run, tmp_path):

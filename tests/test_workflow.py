@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_snakemake
 
 from align.paths import SPLITS, RunPaths
 from align.receipts import PASSED, hash_file, load_receipt
+from align.train.stage_gates import GATE_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 ARMS = ("argilla", "steppairs")
@@ -19,38 +19,18 @@ pytestmark = pytest.mark.slow
 
 
 def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(workdir),
-            *args,
-        ],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
+    return run_snakemake(workdir, *args)
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("workflow")
-    run = snakemake(work, "--cores", "2", "arms")
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    return work
+def workdir(finished_workflow) -> Path:
+    return finished_workflow
 
 
 def test_dry_run_lists_every_rule_of_the_chain(tmp_path):
     run = snakemake(tmp_path, "--dry-run", "arms")
     assert run.returncode == 0, run.stderr[-2000:]
-    for rule in ("tiny_default", "sft", "sft_gate", "build_manifest", "ref_cache", "dpo"):
+    for rule in ("tiny_default", "sft", "sft_gate", "build_manifest", "ref_cache", "path_bias"):
         assert f"rule {rule}:" in run.stdout + run.stderr, rule
 
 
@@ -69,7 +49,7 @@ def test_every_receipt_is_passed_and_its_hashes_hold(workdir, monkeypatch):
             assert hash_file(entry["shards"][split]["path"]) == entry["shards"][split]["hash"]
         result = load_receipt(paths.arm(arm).arm_result, "dpo", stage="dpo")
         assert result["status"] == PASSED
-        assert [g["gate"] for g in result["gates"]] == ["sft_gate", "manifest", "ref_cache"]
+        assert [g["gate"] for g in result["gates"]] == list(GATE_NAMES)
         for key in (
             "config_hash",
             "overrides",

@@ -79,7 +79,9 @@ def prepare_arm(cfg: ArmConfig, tokenizer, renderer: PromptRenderer | None = Non
                     candidates.append((record, split))
                 else:
                     counts.add(reason, record.source, split)
-            tokenized = tokenize_pairs([r for r, _ in candidates], tokenizer, data.seq_len, renderer)
+            tokenized = tokenize_pairs(
+                [r for r, _ in candidates], tokenizer, data.seq_len, renderer
+            )
             for (record, split), pair in zip(candidates, tokenized, strict=True):
                 if prompt_over_budget(pair.prompt_tokens, data.max_prompt_tokens):
                     counts.add("prompt_over_budget", record.source, split)
@@ -140,7 +142,9 @@ def write_arm(build: ArmBuild, tokenizer, paths: ArmPaths) -> dict[str, Any]:
     data, counts = build.cfg.data, build.counts
     shards = {split: write_split(build, split, tokenizer.pad_id, paths) for split in SPLITS}
     kept = sum(shards[s]["pairs"] for s in SPLITS)
-    by_source = {str(f): (counts.by_source.get(str(f)) or Tally(counts.reasons)) for f in build.files}
+    by_source = {
+        str(f): (counts.by_source.get(str(f)) or Tally(counts.reasons)) for f in build.files
+    }
     entry: dict[str, Any] = {
         "format": data.format,
         "seq_len": data.seq_len,

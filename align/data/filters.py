@@ -140,10 +140,11 @@ class FilterCounts(Tally):
 
     def _groups(self, source: str | None, split: str | None) -> list[Tally]:
         groups = []
-        if source is not None:
-            groups.append(self.by_source.setdefault(source, Tally(self.reasons)))
-        if split is not None:
-            groups.append(self.by_split.setdefault(split, Tally(self.reasons)))
+        for name, tallies in ((source, self.by_source), (split, self.by_split)):
+            if name is not None:
+                if name not in tallies:
+                    tallies[name] = Tally(self.reasons)
+                groups.append(tallies[name])
         return groups
 
     def add(self, reason: str | None, source: str | None = None, split: str | None = None) -> None:

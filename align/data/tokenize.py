@@ -79,7 +79,9 @@ class PromptRenderer:
                 add_generation_prompt=True,
             )
         except ChatTemplateError as err:
-            raise BadInputData(f"{record.where()}: the chat template refused the row ({err})") from err
+            raise BadInputData(
+                f"{record.where()}: the chat template refused the row ({err})"
+            ) from err
         return rendered + record.response_prefix
 
     def ids(self, records: Sequence[PreferenceRecord]) -> list[list[int]]:

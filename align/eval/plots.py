@@ -216,42 +216,62 @@ def paired_figure(summary: RunSummary) -> Figure:
     if selection is None:
         return message_figure("paired evaluation", f"selection.json {NOT_RECORDED}")
     figures, decision = selection["figures"], selection["decision"]
-    policies, comparisons = figures["policies"], figures["comparisons"]
-    fig, axes = new_figure(1, 3)
-    acc_ax, diff_ax, len_ax = axes[0]
+    fig, _ = new_figure()
+    fig.clear()
+    axes = fig.subplot_mosaic([["accuracy", "length"], ["difference", "difference"]])
     fig.suptitle(
         f"selected: {decision['selected'] or 'none'} ({decision['branch']}); "
         f"eval set {figures['eval_set']['name']}, n={figures['eval_set']['pairs']}"
     )
+    paired_accuracies(axes["accuracy"], figures["policies"])
+    generation_lengths(axes["length"], figures["policies"], figures["eval_set"])
+    paired_differences(axes["difference"], figures["comparisons"])
+    return fig
+
+
+def paired_accuracies(ax, policies: dict[str, Any]) -> None:
     names = list(policies)
     for i, name in enumerate(names):
-        with_interval(acc_ax, i, policies[name], color=f"C{i}")
-    acc_ax.axhline(0.5, color=REFERENCE_COLOR, ls=":")
-    acc_ax.set_xticks(range(len(names)), names)
-    acc_ax.set(title="paired accuracy (Wilson 95%)", ylim=(0, 1))
+        with_interval(ax, i, policies[name], color=f"C{i}")
+    ax.axhline(0.5, color=REFERENCE_COLOR, ls=":")
+    ax.set_xticks(range(len(names)), names)
+    ax.set(
+        title="accuracy on the common set (Wilson 95%)", ylim=(0, 1), xlim=(-0.5, len(names) - 0.5)
+    )
+
+
+def generation_lengths(ax, policies: dict[str, Any], eval_set: dict[str, Any]) -> None:
+    names = list(policies)
+    lengths = [policies[n]["generation"]["mean_tokens"] for n in names]
+    ax.bar(range(len(names)), lengths, color=[f"C{i}" for i in range(len(names))])
+    tokens = eval_set.get("response_tokens", {})
+    for side, style in (("chosen", "--"), ("rejected", ":")):
+        if side in tokens:
+            ax.axhline(tokens[side], color=REFERENCE_COLOR, ls=style, label=f"data {side}")
+    ax.set_xticks(range(len(names)), names)
+    ax.set(title="mean greedy generation length (tokens)")
+    if tokens:
+        ax.legend(fontsize=8)
+
+
+def paired_differences(ax, comparisons: Sequence[dict[str, Any]]) -> None:
+    """Each difference with its interval; red where the interval excludes 0."""
     for i, c in enumerate(comparisons):
-        color = ALARM_COLOR if c["excludes_zero"] else POLICY_COLOR
-        diff_ax.errorbar(
+        ax.errorbar(
             [c["diff"]],
             [i],
             xerr=[[c["diff"] - c["ci_low"]], [c["ci_high"] - c["diff"]]],
             fmt="o",
             capsize=4,
-            color=color,
+            color=ALARM_COLOR if c["excludes_zero"] else POLICY_COLOR,
         )
-    diff_ax.axvline(0.0, color=REFERENCE_COLOR, ls="--")
-    diff_ax.set_yticks(range(len(comparisons)), [f"{c['a']} - {c['b']}" for c in comparisons])
-    diff_ax.set(title="accuracy difference (paired bootstrap)", xlabel="difference")
-    lengths = [policies[n]["generation"]["mean_tokens"] for n in names]
-    len_ax.bar(range(len(names)), lengths, color=[f"C{i}" for i in range(len(names))])
-    tokens = figures["eval_set"].get("response_tokens", {})
-    for side, style in (("chosen", "--"), ("rejected", ":")):
-        if side in tokens:
-            len_ax.axhline(tokens[side], color=REFERENCE_COLOR, ls=style, label=f"data {side}")
-    len_ax.set_xticks(range(len(names)), names)
-    len_ax.set(title="greedy generation length (tokens)")
-    len_ax.legend(fontsize=8)
-    return fig
+    ax.axvline(0.0, color=REFERENCE_COLOR, ls="--")
+    ax.set_yticks(range(len(comparisons)), [f"{c['a']} - {c['b']}" for c in comparisons])
+    ax.set(
+        title="accuracy difference a - b (paired bootstrap interval)",
+        xlabel="difference",
+        ylim=(-0.5, len(comparisons) - 0.5),
+    )
 
 
 def write_report_files(summary: RunSummary, paths: ReportPaths) -> list[Path]:

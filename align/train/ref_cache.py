@@ -100,25 +100,25 @@ def write_ref_cache(
         )
 
 
-def read_cache_key(path: str | Path) -> dict[str, str]:
+def read_cache_key(path: str | Path, gate: str = GATE) -> dict[str, str]:
     p = Path(path)
     if not p.exists():
-        raise GateRefused(GATE, f"{p}: reference cache missing")
+        raise GateRefused(gate, f"{p}: reference cache missing")
     metadata = read_metadata(p)
     if metadata.get("format") != CACHE_FORMAT or "key" not in metadata:
         raise GateRefused(
-            GATE, f"{p}: expected a reference cache ({CACHE_FORMAT}) with a key in its metadata"
+            gate, f"{p}: expected a reference cache ({CACHE_FORMAT}) with a key in its metadata"
         )
     return metadata["key"]
 
 
-def check_key(path: str | Path, expected: dict[str, str]) -> None:
+def check_key(path: str | Path, expected: dict[str, str], gate: str = GATE) -> None:
     """Refuse a cache whose stored key differs from `expected` in any component."""
-    found = read_cache_key(path)
+    found = read_cache_key(path, gate)
     for component in KEY_COMPONENTS:
         if found.get(component) != expected[component]:
             raise GateRefused(
-                GATE,
+                gate,
                 f"{path}: key component {component!r} expected {expected[component]!r}, found {found.get(component)!r}",
             )
 

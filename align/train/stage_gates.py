@@ -173,7 +173,7 @@ def _gate_path_bias(ctx: GateContext) -> dict[str, Any]:
     if figures["action"] == RECOMPUTE:
         for split in SPLITS:
             key = ctx.cache_key(split, impl, ctx.cfg.model.dtype)
-            check_key(ctx.arm.ref_cache(impl, split), key)
+            check_key(ctx.arm.ref_cache(impl, split), key, gate="path_bias")
             ctx.caches[split] = (ctx.arm.ref_cache(impl, split), key)
     ctx.path_bias = figures
     return {"action": figures["action"], "ratio": round(figures["ratio"], 4), "cache": impl}

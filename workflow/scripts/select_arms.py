@@ -97,7 +97,8 @@ def main() -> None:
     # Measured arms with a policy are scored even when not eligible, so a badly
     # measured arm is still seen beside the others; only the decision skips it.
     scored = [arm for arm in arms if standings[arm]["measured"] and results[arm].get("policy")]
-    policies = {sel.SFT: gate["checkpoint"], **{arm: results[arm]["policy"] for arm in scored}}
+    # Arms first, so each comparison with the SFT policy reads "arm - sft".
+    policies = {**{arm: results[arm]["policy"] for arm in scored}, sel.SFT: gate["checkpoint"]}
 
     cap_threads(cfg.run.threads)
     from align.utils.dist import destroy_distributed

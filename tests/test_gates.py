@@ -1,0 +1,125 @@
+"""Each gate of GATE_ORDER broken alone on an otherwise valid finished run.
+
+The refusal has the gate's exit code, names the gate with expected vs found, runs
+nothing after it, and (gates 1-4) never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from align.exit_codes import GATE_REFUSED, PREFLIGHT_REFUSED
+
+REPO = Path(__file__).resolve().parents[1]
+DPO = REPO / "workflow" / "scripts" / "dpo.py"
+ARGILLA = REPO / "config" / "arms" / "argilla.toml"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def run_copy(finished_workflow, tmp_path) -> Path:
+    work = tmp_path / "work"
+    shutil.copytree(finished_workflow / "results", work / "results", symlinks=True)
+    shutil.copytree(finished_workflow / "resources", work / "resources", symlinks=True)
+    return work
+
+
+def refuse(work: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.perf_counter()
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", str(DPO), str(ARGILLA), *overrides],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return run, time.perf_counter() - started
+
+
+def imported_torch(run: subprocess.CompletedProcess) -> bool:
+    return any(line.rstrip().endswith("| torch") for line in run.stderr.splitlines())
+
+
+def edit_json(path: Path, edit) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def assert_refused(run, gate: str, *fragments: str, code: int = GATE_REFUSED) -> str:
+    assert run.returncode == code, run.stderr[-3000:]
+    reason = [line for line in run.stderr.splitlines() if line.startswith("align dpo:")][-1]
+    assert f"gate {gate}" in reason or gate == "preflight", reason
+    for fragment in fragments:
+        assert fragment in reason, reason
+    return reason
+
+
+def test_valid_run_passes_every_gate(run_copy):
+    run, _ = refuse(run_copy, "--gates-only")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not imported_torch(run)
+    for gate in ("sft_gate", "manifest", "ref_cache", "path_bias", "preflight", "probe"):
+        assert f"  {gate}" in run.stderr
+
+
+def test_failed_sft_gate_is_refused_first(run_copy):
+    edit_json(run_copy / "results/sft/gate.json", lambda r: r.update(passed=False))
+    run, seconds = refuse(run_copy)
+    assert_refused(run, "sft_gate", "expected passed=true, found False")
+    assert not imported_torch(run)
+    print(f"sft_gate refusal {seconds:.3f} s")
+
+
+def test_manifest_count_differing_from_the_preregistration_is_refused(run_copy):
+    run, _ = refuse(run_copy, "--data.expected_train_pairs=1")
+    assert_refused(run, "manifest", "expected 1", "found")
+    assert not imported_torch(run)
+
+
+def test_reference_cache_with_a_wrong_key_is_refused_naming_the_component(run_copy):
+    caches = next((run_copy / "results/argilla/ref").iterdir())
+    shutil.copyfile(caches / "held.safetensors", caches / "train.safetensors")
+    run, _ = refuse(run_copy)
+    assert_refused(run, "ref_cache", "key component 'shard'")
+    assert not imported_torch(run)
+
+
+def test_path_bias_decision_not_honoured_is_refused(run_copy):
+    def demand_recompute(report):
+        report["figures"].update(action="recompute", training_forward_impl="sdpa-fp32-b3-padded")
+
+    edit_json(run_copy / "results/argilla/path_bias.json", demand_recompute)
+    run, _ = refuse(run_copy)
+    assert_refused(run, "path_bias", "sdpa-fp32-b3-padded", "reference cache missing")
+    assert "path_bias  FAILED" in run.stderr
+    assert not imported_torch(run)
+
+
+def test_preflight_over_the_host_memory_is_refused_with_exit_6(run_copy):
+    run, _ = refuse(run_copy, "--preflight.host_memory_fraction=0.0001")
+    reason = assert_refused(
+        run, "preflight", "projected job RSS", "optimizer_state", code=PREFLIGHT_REFUSED
+    )
+    assert "exceeds" in reason
+
+
+def test_probe_from_another_topology_is_refused(run_copy):
+    edit_json(run_copy / "results/argilla/probe.json", lambda r: r["topology"].update(world_size=4))
+    run, _ = refuse(run_copy)
+    assert_refused(run, "probe", "'world_size': 4", "expected")
+
+
+def test_projection_undershooting_the_measured_peak_is_a_failed_calibration(run_copy):
+    edit_json(
+        run_copy / "results/argilla/probe.json", lambda r: r["figures"].update(peak_rss_mb=1e6)
+    )
+    run, _ = refuse(run_copy)
+    assert_refused(run, "probe", "failed calibration")

@@ -1,0 +1,390 @@
+"""The run's report: the summary tables from receipts ("not recorded" where a stage recorded
+nothing), `align report`, every figure drawn at its size, and the Snakemake HTML report of
+the default pipeline rendered in headless Chromium."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from align import cli
+from align.eval.plots import FIGURE_PIXELS
+from align.paths import RunPaths
+from align.receipts import DESCOPED, PASSED, write_json_atomic
+from align.report import ARM_FIGURES, RUN_FIGURES, ReportPaths, gather, render_text
+from align.report import selection_labels as labels_of
+
+REPO = Path(__file__).resolve().parents[1]
+ARMS = ("argilla", "steppairs", "ultra")
+PIPELINE_ARMS = ("argilla", "steppairs")
+
+
+def held(sft: float, policy: float, implicit: float) -> dict:
+    def figure(acc: float) -> dict:
+        return {
+            "n": 100,
+            "correct": round(100 * acc),
+            "accuracy": acc,
+            "ci_low": acc - 0.09,
+            "ci_high": acc + 0.08,
+            "confidence": 0.95,
+        }
+
+    return {
+        "sft": figure(sft),
+        "policy": figure(policy),
+        "policy_implicit_reward": figure(implicit),
+    }
+
+
+def metrics_rows(steps: int, beta: float) -> list[dict]:
+    rows = []
+    for step in range(steps):
+        margin = 0.05 * step
+        rows.append(
+            {
+                "step": step,
+                "loss": 0.693 - 0.01 * step,
+                "rewards/margins": margin,
+                "rewards/chosen": -0.1 * step,
+                "rewards/rejected": -0.1 * step - margin,
+                "logps/chosen": -70.0 - step,
+                "logps/rejected": -72.0 - 1.5 * step,
+                "lr": 1e-3,
+            }
+        )
+    return rows
+
+
+GATES = [
+    {"gate": "sft_gate", "status": PASSED, "ms": 0.2},
+    {"gate": "manifest", "status": PASSED, "ms": 0.5},
+]
+TRIPWIRE = {
+    "alarms": [{"name": "grad_norm", "step": 7, "value": 41.0, "band": [0.0, 20.0]}],
+    "rerun": True,
+    "ended_by_tripwire": False,
+    "signals": {
+        "grad_norm": [[s, 5.0 + (36.0 if s == 7 else 0.0)] for s in range(12)],
+        "margin": [[s, 0.1 * s] for s in range(12)],
+    },
+    "bands": {"grad_norm": [0.0, 20.0], "margin": [None, 5.0]},
+}
+
+
+def selection_receipt() -> dict:
+    policy = {
+        "accuracy": 0.7,
+        "ci_low": 0.62,
+        "ci_high": 0.77,
+        "n": 240,
+        "correct": 168,
+        "method": "implicit reward",
+        "mean_chosen_logp_change": -12.5,
+        "mean_rejected_logp_change": -20.0,
+        "generation": {
+            "prompts": 16,
+            "max_new_tokens": 48,
+            "mean_tokens": 11.5,
+            "terminated_fraction": 1.0,
+        },
+    }
+    comparison = {
+        "a": "argilla",
+        "b": "sft",
+        "diff": 0.2,
+        "ci_low": 0.12,
+        "ci_high": 0.28,
+        "excludes_zero": True,
+        "mcnemar": {"a_only": 60, "b_only": 12, "both": 108, "neither": 60, "p_value": 1e-8},
+    }
+    decision = {
+        "rule": "paired_accuracy",
+        "default_arm": "argilla",
+        "selected": "argilla",
+        "branch": "only_eligible_arm",
+        "reason": "argilla is the only eligible arm (not eligible: ultra never measured)",
+        "eligible": ["argilla"],
+        "excluded": {},
+    }
+    return {
+        "schema_version": 1,
+        "stage": "select_arms",
+        "status": PASSED,
+        "gates": GATES,
+        "arms": {"argilla": {"status": PASSED, "standing": "eligible", "reason": "passed"}},
+        "decision": decision,
+        "figures": {
+            "eval_set": {
+                "name": "union",
+                "pairs": 240,
+                "sources": {"argilla": 100, "steppairs": 140},
+                "duplicates_removed": 0,
+                "response_tokens": {"chosen": 10.0, "rejected": 12.0},
+            },
+            "policies": {"argilla": policy, "sft": {**policy, "mean_chosen_logp_change": 0.0}},
+            "comparisons": [comparison],
+        },
+    }
+
+
+@pytest.fixture
+def results(tmp_path) -> Path:
+    """A results dir: argilla with tripwire and probe, steppairs with neither, ultra descoped."""
+    paths = RunPaths.of(tmp_path / "results")
+    write_json_atomic(
+        paths.sft_gate,
+        {
+            "status": PASSED,
+            "checkpoint": "results/sft/checkpoint",
+            "figures": {"checks": {"held_nll": {"value": 0.22, "max": 1.5, "passed": True}}},
+        },
+    )
+    write_json_atomic(paths.manifest, {"arms": {arm: {} for arm in ARMS}})
+    for arm, extra in (("argilla", {"tripwire": TRIPWIRE}), ("steppairs", {})):
+        write_json_atomic(
+            paths.arm(arm).arm_result,
+            {
+                "arm": arm,
+                "status": PASSED,
+                "descoped": False,
+                "gates": GATES,
+                "config": {"dpo": {"beta": 0.1}},
+                "figures": {"held_out": held(0.5, 0.72, 0.8)},
+                **extra,
+            },
+        )
+        paths.arm(arm).run_dir.mkdir(parents=True)
+        paths.arm(arm).metrics.write_text(
+            "".join(json.dumps(row) + "\n" for row in metrics_rows(30, 0.1))
+        )
+    write_json_atomic(
+        paths.arm("argilla").probe, {"figures": {"step_times": [1.1, 0.6, 0.62, 0.59]}}
+    )
+    write_json_atomic(
+        paths.arm("ultra").arm_result,
+        {
+            "arm": "ultra",
+            "status": DESCOPED,
+            "descoped": True,
+            "reason": "kept 12 pairs",
+            "gates": GATES,
+        },
+    )
+    write_json_atomic(paths.selection, selection_receipt())
+    return paths.results
+
+
+def section(text: str, title: str) -> list[str]:
+    """The lines of one `== title` section of the text summary."""
+    body = text.split(f"== {title}", 1)[1]
+    return body.split("\n== ", 1)[0].splitlines()
+
+
+def test_the_summary_says_not_recorded_where_a_stage_recorded_nothing(results):
+    text = render_text(gather(results))
+    arms = {line.split()[0]: line for line in section(text, "Arms") if line.startswith(ARMS)}
+    assert "1 alarms, rerun" in arms["argilla"]
+    assert "median 0.610 s/step (4 steps)" in arms["argilla"]
+    assert arms["steppairs"].count("not recorded") == 2
+    assert "descoped" in arms["ultra"] and "0.720 [0.630, 0.800]" in arms["steppairs"]
+    assert "steppairs: tripwire signals not recorded" in text
+    assert re.search(r"argilla\s+grad_norm\s+7\s+41\s+\[0\.0, 20\.0\]", text)
+    assert "selected: argilla (only_eligible_arm)" in text
+    assert re.search(r"argilla - sft\s+\+0\.200 \[\+0\.120, \+0\.280\]\s+yes\s+60\s+12", text)
+    assert re.search(r"ultra\s+manifest\s+PASSED\s+0\.50", text)
+
+
+def test_without_a_selection_the_summary_says_so(results):
+    (results / "selection.json").unlink()
+    text = render_text(gather(results))
+    assert "selection.json: not recorded" in text and "selection: not recorded" in text
+
+
+def test_align_report_prints_the_summary_and_refuses_a_missing_dir(results, capsys, tmp_path):
+    assert cli.main(["report", str(results)]) == 0
+    assert capsys.readouterr().out == render_text(gather(results))
+    assert cli.main(["report", str(tmp_path / "nowhere")]) == 2
+    assert "no such results directory" in capsys.readouterr().err
+
+
+def png_pixels(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.float64)
+
+
+def test_every_figure_is_drawn_at_its_size_and_is_not_blank(results):
+    assert cli.main(["report", str(results), "--figures"]) == 0
+    report = ReportPaths.of(RunPaths.of(results))
+    figures = [report.arm_figure(arm, name) for arm in ARMS for name in ARM_FIGURES]
+    figures += [report.run_figure(name) for name in RUN_FIGURES]
+    for path in figures:
+        pixels = png_pixels(path.read_bytes())
+        assert pixels.shape[1::-1] == FIGURE_PIXELS, path
+        assert pixels.var() > 0, path
+    page = report.summary_html.read_text()
+    assert "<table>" in page and "argilla is the only eligible arm" in page
+    assert page.count("not recorded") >= 3
+
+
+def test_the_selection_labels_carry_the_decision(results):
+    labels = labels_of(results / "selection.json")
+    assert labels["selected arm"] == "argilla" and labels["branch"] == "only_eligible_arm"
+
+
+# --- the default pipeline's HTML report, in a browser ---------------------------------------
+
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
+# Injected into a copy of the report: it shows every image result through the report's own
+# view, measures the <img> the app rendered (size and pixel variance on a canvas), and
+# writes what it found, with the front page's text, where --dump-dom prints it.
+CHECK_SCRIPT = """
+<script>
+window.addEventListener("load", async () => {
+  const pause = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+  await pause(500);
+  const found = {front_page: document.querySelector("#app").innerText, images: {}};
+  for (const [path, entry] of Object.entries(results)) {
+    if (!entry.mime_type.startsWith("image/")) continue;
+    app.setView({content: "img", contentPath: entry.data_uri, resultPath: path});
+    await pause(200);
+    const img = document.querySelector(`#app img[src="${entry.data_uri}"]`);
+    if (img === null) { found.images[path] = {shown: false}; continue; }
+    await img.decode();
+    const canvas = document.createElement("canvas");
+    canvas.width = img.naturalWidth; canvas.height = img.naturalHeight;
+    const ctx = canvas.getContext("2d");
+    ctx.drawImage(img, 0, 0);
+    const px = ctx.getImageData(0, 0, canvas.width, canvas.height).data;
+    let sum = 0, sq = 0;
+    for (let i = 0; i < px.length; i += 4) {
+      const v = (px[i] + px[i + 1] + px[i + 2]) / 3; sum += v; sq += v * v;
+    }
+    const n = px.length / 4;
+    found.images[path] = {shown: true, width: img.naturalWidth, height: img.naturalHeight,
+                          variance: sq / n - (sum / n) ** 2};
+  }
+  const out = document.createElement("pre");
+  out.id = "align-check";
+  out.textContent = JSON.stringify(found);
+  document.body.appendChild(out);
+});
+</script>
+"""
+
+
+def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(workdir),
+            *args,
+        ],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+
+
+@pytest.fixture(scope="module")
+def pipeline_report(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("report_workflow")
+    run = snakemake(work, "--cores", "2", "all")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    run = snakemake(work, "--report", "report.html")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return work
+
+
+def embedded_results(report_html: Path) -> dict:
+    """The report's result entries (name, caption, labels, data URI) keyed by path."""
+    text = report_html.read_text()
+    match = re.search(r"var results = (\{.*?\});\n", text, re.S)
+    assert match, "no embedded results in the report"
+    return json.loads(match.group(1))
+
+
+def expected_figures() -> set[str]:
+    report = ReportPaths.of(RunPaths.of("results"))
+    paths = [report.arm_figure(arm, name) for arm in PIPELINE_ARMS for name in ARM_FIGURES]
+    return {str(p) for p in paths} | {str(report.run_figure(name)) for name in RUN_FIGURES}
+
+
+@pytest.mark.slow
+def test_the_report_embeds_every_figure_with_a_caption(pipeline_report):
+    entries = embedded_results(pipeline_report / "report.html")
+    images = {path: e for path, e in entries.items() if e["mime_type"] == "image/png"}
+    assert set(images) == expected_figures()
+    for path, entry in images.items():
+        header, _, payload = entry["data_uri"].partition(",")
+        assert header == "data:image/png;base64", path
+        pixels = png_pixels(base64.b64decode(payload))
+        assert pixels.shape[1::-1] == FIGURE_PIXELS and pixels.var() > 0, path
+        assert len(entry["caption"]) > 100, path
+    selection = json.loads((pipeline_report / "results" / "selection.json").read_text())
+    labels = entries["results/selection.json"]["labels"]
+    assert labels["selected arm"] == (selection["decision"]["selected"] or "none")
+    assert "results/report/summary.html" in entries
+
+
+@pytest.mark.slow
+def test_the_report_renders_every_figure_and_the_selection_in_chromium(pipeline_report, tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium is not installed (.ci/run installs Debian's chromium)")
+    page = tmp_path / "report_check.html"
+    page.write_text(
+        (pipeline_report / "report.html").read_text().replace("</body>", CHECK_SCRIPT + "</body>")
+    )
+    run = subprocess.run(
+        [
+            chromium,
+            *CHROMIUM_FLAGS,
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--virtual-time-budget=60000",
+            "--dump-dom",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    match = re.search(r'<pre id="align-check">(.*?)</pre>', run.stdout, re.S)
+    assert match, run.stderr[-3000:]
+    found = json.loads(html.unescape(match.group(1)))
+    assert set(found["images"]) == expected_figures()
+    for path, image in found["images"].items():
+        assert image["shown"], path
+        assert (image["width"], image["height"]) == FIGURE_PIXELS, path
+        assert image["variance"] > 0, path
+    decision = json.loads((pipeline_report / "results" / "selection.json").read_text())["decision"]
+    assert f"Selected arm: {decision['selected'] or 'none'}" in found["front_page"]
+    assert decision["reason"][:60] in found["front_page"]
