@@ -27,6 +27,12 @@ include: "rules/select.smk"
 report: "report/workflow.rst"
 
 
+rule gates:
+    """Every gate up to and including the probe, for every arm; nothing trains."""
+    input:
+        [PATHS.arm(arm).probe for arm in ARMS],
+
+
 rule arms:
     input:
         [PATHS.arm(arm).arm_result for arm in ARMS],
@@ -38,3 +44,13 @@ rule all:
     input:
         rules.arms.input,
         rules.report_figures.output,
+
+
+# Cheap bookkeeping runs on the submit host rather than as cluster jobs.
+localrules:
+    build_manifest,
+    preflight,
+    report_figures,
+    gates,
+    arms,
+    all,

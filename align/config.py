@@ -74,8 +74,14 @@ class RefConfig:
 
 @dataclass
 class DpoConfig:
+    """The objective: loss variant and its weights (see align.losses.dpo.DPOObjective)."""
+
     beta: float = 0.1
     loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+    rpo_alpha: float = 0.0
+    length_normalize: bool = False
+    rdpo_alpha: float = 0.0
 
 
 @dataclass

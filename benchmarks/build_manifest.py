@@ -1,7 +1,7 @@
 """Throughput and peak memory of the data build on a 100k-pair argilla-format JSONL.
 
-Writes N argilla rows with the synthetic row builders (exact shares of ties, low
-scores and GSM8K rows, so every filter removes something), then builds them as
+Writes N distinct argilla rows with the synthetic row builders (exact shares of
+ties, low scores and GSM8K rows, so those filters remove 21%), then builds them as
 the `argilla` arm with the tiny tokenizer (resources/tiny/tokenizer, or one
 trained on the fly when it is absent). Each method runs in a fresh subprocess that
 reports its wall time and VmHWM (peak RSS); the parent checks the same peak with
@@ -50,7 +50,10 @@ def write_rows(path: Path, n: int, seed: int) -> None:
     rng = random.Random(f"benchmark:{seed}")
     with open(path, "w", encoding="utf-8") as fh:
         for start in range(0, n, ROWS_PER_CHUNK):
-            for row in argilla_rows(rng, min(ROWS_PER_CHUNK, n - start)):
+            rows = argilla_rows(rng, min(ROWS_PER_CHUNK, n - start))
+            for i, row in enumerate(rows, start=start):
+                # The arithmetic table is small; a row number keeps every pair distinct.
+                row["input"] = f"{row['input']} (#{i})"
                 fh.write(json.dumps(row, sort_keys=True, ensure_ascii=False) + "\n")
 
 
@@ -105,7 +108,7 @@ def child(method: str, data: Path, tokenizer_path: Path, out: Path) -> None:
 def build_with_lists(cfg, tokenizer, paths) -> dict:
     """Every pair's tokens as Python lists until the end, then padded arrays and save_file."""
     from align.data.build import batched
-    from align.data.filters import FilterCounts, active_reasons, classify
+    from align.data.filters import FilterCounts, active_reasons, classify, prompt_over_budget
     from align.data.formats import expand_files, iter_records
     from align.data.shards import PAIR_FORMAT, pair_arrays, write_shard
     from align.data.split import pair_id, split_of
@@ -116,10 +119,14 @@ def build_with_lists(cfg, tokenizer, paths) -> dict:
     kept: dict[str, tuple[list, list]] = {"train": ([], []), "held": ([], [])}
     records = classify(iter_records(expand_files(data.files), data.format), data.filters)
     for chunk in batched(records, 1024):
-        for record, reason in chunk:
-            counts.add(reason)
         good = [record for record, reason in chunk if reason is None]
+        for reason in (reason for _, reason in chunk if reason is not None):
+            counts.add(reason)
         for record, pair in zip(good, tokenize_pairs(good, tokenizer, data.seq_len), strict=True):
+            over = prompt_over_budget(pair.prompt_tokens, data.max_prompt_tokens)
+            counts.add("prompt_over_budget" if over else None)
+            if over:
+                continue
             ids, pairs = kept[split_of(record.prompt, data.held_fraction, data.split_seed)]
             ids.append(pair_id(record.prompt, record.chosen, record.rejected))
             pairs.append(pair)
@@ -130,7 +137,15 @@ def build_with_lists(cfg, tokenizer, paths) -> dict:
 
 def run_method(method: str, data: Path, tokenizer_path: Path, work: Path) -> dict:
     out = work / f"results-{method}"
-    command = [sys.executable, __file__, "--child", method, str(data), str(tokenizer_path), str(out)]
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        method,
+        str(data),
+        str(tokenizer_path),
+        str(out),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{method} failed:\n{done.stderr[-3000:]}")

@@ -1,9 +1,11 @@
 # Input and resource functions shared by the rules. Paths come from align.paths,
 # the same module the stage scripts use; configs are read with align.config
 # (stdlib only, so this costs milliseconds).
+import json
+import math
 from pathlib import Path
 
-from align.config import ArmConfig, SftConfig, load_config
+from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
 from align.paths import SPLITS, RunPaths
 from align.receipts import read_json
 from align.train.path_bias import required_forward_impl
@@ -104,3 +106,193 @@ def arm_rank_threads(wildcards):
 
 def arm_stop_marker(wildcards):
     return PATHS.arm(wildcards.arm).run_dir / "stopped.json"
+
+
+# ---------------------------------------------------------------------------
+# Job resources. Slurm gets them from the executor plugin, a local run schedules by
+# them, and the image runs every rule under --software-deployment-method apptainer.
+# These callables run on the submit host and again inside each job, before the
+# container starts: stdlib only (json + pathlib), a file read at most. Snakemake
+# re-evaluates them before each submission and on each retry, so what a receipt
+# measured sizes the job that follows it, and `attempt` scales what a retry needs
+# more of (memory, time). A receipt that does not exist yet (a dry run, or a job
+# sized before its upstream ran) reads as not yet known, and the configured
+# default stands in for it.
+JOB = config["job_resources"]
+
+
+def container_image():
+    """The image path against the workflow (not the working directory), or a registry URI."""
+    image = config["container_image"]
+    return image if "://" in image else str(Path(workflow.basedir) / image)
+
+
+CONTAINER = container_image()
+
+
+def receipt_json(path):
+    """A receipt as a dict, or None while it does not exist."""
+    path = Path(path)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def device_count(device, processes):
+    """GPUs a job takes: one per process on CUDA, none on the CPU."""
+    return processes if device == "cuda" else 0
+
+
+def arm_gpus(wildcards):
+    """The arm's torchrun ranks (path_bias, probe, dpo), each on its own GPU."""
+    cfg = arm_cfg(wildcards.arm)
+    return device_count(cfg.run.device, cfg.batch.world_size)
+
+
+def arm_single_gpu(wildcards):
+    """ref_cache runs one process on the arm's device."""
+    return device_count(arm_cfg(wildcards.arm).run.device, 1)
+
+
+def sft_gpus(wildcards):
+    cfg = sft_cfg()
+    return device_count(cfg.run.device, cfg.batch.world_size)
+
+
+def sft_single_gpu(wildcards):
+    """sft_gate runs one process on the SFT pre-registration's device."""
+    return device_count(sft_cfg().run.device, 1)
+
+
+def selection_gpus(wildcards):
+    """select_arms scores every policy in one process on the selection's device.
+
+    SELECTION_TOML is select.smk's, read when a job is sized, after every include.
+    """
+    cfg = load_config(SELECTION_TOML, SelectionConfig).cfg
+    return device_count(cfg.run.device, 1)
+
+
+def no_gpu(wildcards):
+    return 0
+
+
+def placement(gpus):
+    """Where a job runs and how it is laid out, from its GPU count `gpus(wildcards)`.
+
+    One task on one node holds every GPU of the job (sbatch --gpus=N); torchrun starts
+    the ranks inside that task and rank i takes cuda:LOCAL_RANK, so each rank has its
+    own device and every training stage asserts that before it loads a model
+    (align.utils.dist.assert_distinct_devices). Per-task GPU binding needs one task per
+    rank, which torchrun replaces; and a task count on a GPU job turns into
+    --ntasks-per-gpu, so GPU jobs name no tasks and CPU jobs exactly one.
+    """
+    return {
+        "gpu": gpus,
+        "nodes": lambda wildcards: 1,
+        "tasks": lambda wildcards: None if gpus(wildcards) else 1,
+        "cpus_per_task": lambda wildcards, threads: threads,
+        "slurm_partition": lambda wildcards: slurm_partition(gpus(wildcards)),
+        "slurm_account": lambda wildcards: config["slurm_account"] or None,
+    }
+
+
+def slurm_partition(gpus):
+    """GPU jobs go to the GPU partition when one is named; empty leaves the cluster's default."""
+    if gpus and config["slurm_gpu_partition"]:
+        return config["slurm_gpu_partition"]
+    return config["slurm_partition"] or None
+
+
+def default_mem_mb(wildcards, attempt):
+    """Jobs that no receipt sizes."""
+    return JOB["mem_mb"] * attempt
+
+
+def default_runtime(wildcards, attempt):
+    """Minutes, for jobs that nothing times in advance."""
+    return JOB["runtime_min"] * attempt
+
+
+def sft_runtime(wildcards, attempt):
+    return JOB["sft_runtime_min"] * attempt
+
+
+def rss_mem_mb(rss_mb, attempt):
+    """A job's memory request from an RSS figure: the margin, the in-job overhead, the attempt."""
+    return math.ceil(rss_mb * JOB["mem_margin"] + JOB["mem_overhead_mb"]) * attempt
+
+
+def probe_mem_mb(wildcards, input, attempt):
+    """The preflight's projected job RSS, for the optimizer the stage really runs."""
+    preflight = receipt_json(input.preflight)
+    if preflight is None:
+        return default_mem_mb(wildcards, attempt)
+    return rss_mem_mb(preflight["figures"]["total_mb"], attempt)
+
+
+def dpo_mem_mb(wildcards, input, attempt):
+    """The preflight's projection as the probe ran it, or the probe's measured peak if higher."""
+    probe = receipt_json(input.probe)
+    if probe is None:
+        return default_mem_mb(wildcards, attempt)
+    rss = max(probe["projection"]["total_mb"], probe["figures"]["peak_rss_mb"])
+    return rss_mem_mb(rss, attempt)
+
+
+def checkpoint_s(probe):
+    """One checkpoint save: the probe's timing when its receipt has one, else the allowance."""
+    measured = probe["figures"].get("checkpoint_s") if probe else None
+    return measured if measured is not None else JOB["checkpoint_s"]
+
+
+def stop_reserve_s(probe):
+    """Seconds of a job outside the trainer's own clock, plus the save at a stop.
+
+    The trainer's clock starts after the gates and the model load, and a stop saves a
+    checkpoint after the step in flight; the evaluation and export after the last step
+    fall outside it too.
+    """
+    return JOB["startup_s"] + checkpoint_s(probe)
+
+
+def dpo_runtime(wildcards, input, attempt):
+    """Minutes: the probe's projected wall-clock with its margin, the reserve, the attempt."""
+    probe = receipt_json(input.probe)
+    if probe is None:
+        return default_runtime(wildcards, attempt)
+    projected = probe["figures"]["projected_wall_s"] * JOB["runtime_margin"]
+    return math.ceil((projected + stop_reserve_s(probe)) / 60) * attempt
+
+
+def trainer_resume(wildcards, attempt):
+    """A retry follows a stop (exit 75) or a failure: resume from the newest valid checkpoint.
+
+    Params are fixed at a job's first attempt and never see `attempt`; resources are
+    re-evaluated for each one, so the per-attempt stage flags are resources.
+    """
+    return "true" if attempt > 1 else "false"
+
+
+def wall_seconds(runtime_min, reserve_s, attempt):
+    """The trainer's budget: the job's time limit less the reserve.
+
+    So the stage stops at a step boundary and saves before Slurm's SIGTERM and SIGKILL.
+    `first_attempt_wall_s` caps the first attempt, which makes the resumed retry testable.
+    """
+    wall = math.floor(runtime_min * 60 - reserve_s)
+    if wall <= 0:
+        raise ValueError(
+            f"time limit {runtime_min} min leaves no training time after the "
+            f"{reserve_s:.0f} s reserve (job_resources.startup_s + checkpoint_s)"
+        )
+    cap = config["first_attempt_wall_s"]
+    return min(wall, cap) if cap and attempt == 1 else wall
+
+
+def dpo_wall_s(wildcards, input, attempt):
+    probe = receipt_json(input.probe)
+    runtime = dpo_runtime(wildcards, input, attempt)
+    return wall_seconds(runtime, stop_reserve_s(probe), attempt)
+
+
+def sft_wall_s(wildcards, attempt):
+    return wall_seconds(sft_runtime(wildcards, attempt), stop_reserve_s(None), attempt)

@@ -12,6 +12,8 @@ rule build_manifest:
         PATHS.log("build_manifest"),
     benchmark:
         PATHS.benchmark("build_manifest")
+    container:
+        CONTAINER
     params:
         run=RUN_OVERRIDES,
     shell:

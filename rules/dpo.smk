@@ -11,6 +11,8 @@ rule preflight:
         PATHS.log("preflight", "{arm}"),
     benchmark:
         PATHS.benchmark("preflight", "{arm}")
+    container:
+        CONTAINER
     params:
         run=RUN_OVERRIDES,
     shell:
@@ -30,7 +32,13 @@ rule probe:
         PATHS.log("probe", "{arm}"),
     benchmark:
         PATHS.benchmark("probe", "{arm}")
+    container:
+        CONTAINER
     threads: config["threads"]
+    resources:
+        **placement(arm_gpus),
+        mem_mb=probe_mem_mb,
+        runtime=default_runtime,
     params:
         run=RUN_OVERRIDES,
         world_size=arm_world_size,
@@ -53,7 +61,15 @@ rule dpo:
         PATHS.log("dpo", "{arm}"),
     benchmark:
         PATHS.benchmark("dpo", "{arm}")
+    container:
+        CONTAINER
     threads: config["threads"]
+    resources:
+        **placement(arm_gpus),
+        mem_mb=dpo_mem_mb,
+        runtime=dpo_runtime,
+        trainer_resume=trainer_resume,
+        trainer_wall_s=dpo_wall_s,
     params:
         run=RUN_OVERRIDES,
         world_size=arm_world_size,
@@ -61,6 +77,8 @@ rule dpo:
         stop_marker=arm_stop_marker,
     shell:
         "python -m align.launch --nproc={params.world_size} --stop-marker={params.stop_marker}"
-        " {input.script} {input.config} {params.run} --run.threads={params.rank_threads} > {log} 2>&1"
+        " {input.script} {input.config} {params.run} --run.threads={params.rank_threads}"
+        " --trainer.resume={resources.trainer_resume}"
+        " --trainer.max_wall_seconds={resources.trainer_wall_s} > {log} 2>&1"
         # Exit 5 (tripwire fired after the rerun) leaves a result that selection reads.
         " || test $? -eq 5"

@@ -14,7 +14,13 @@ rule ref_cache:
         PATHS.log("ref_cache", "{arm}-{forward_impl}"),
     benchmark:
         PATHS.benchmark("ref_cache", "{arm}-{forward_impl}")
+    container:
+        CONTAINER
     threads: config["threads"]
+    resources:
+        **placement(arm_single_gpu),
+        mem_mb=default_mem_mb,
+        runtime=default_runtime,
     params:
         run=RUN_OVERRIDES,
         ref=ref_overrides,
@@ -35,7 +41,13 @@ checkpoint path_bias:
         PATHS.log("path_bias", "{arm}"),
     benchmark:
         PATHS.benchmark("path_bias", "{arm}")
+    container:
+        CONTAINER
     threads: config["threads"]
+    resources:
+        **placement(arm_gpus),
+        mem_mb=default_mem_mb,
+        runtime=default_runtime,
     params:
         run=RUN_OVERRIDES,
         world_size=arm_world_size,

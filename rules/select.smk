@@ -43,7 +43,13 @@ rule select_arms:
         PATHS.log("select_arms"),
     benchmark:
         PATHS.benchmark("select_arms")
+    container:
+        CONTAINER
     threads: config["threads"]
+    resources:
+        **placement(selection_gpus),
+        mem_mb=default_mem_mb,
+        runtime=default_runtime,
     params:
         run=RUN_OVERRIDES,
     shell:
@@ -79,6 +85,8 @@ rule report_figures:
         PATHS.log("report_figures"),
     benchmark:
         PATHS.benchmark("report_figures")
+    container:
+        CONTAINER
     params:
         results=PATHS.results,
         arms=" ".join(f"--arm={arm}" for arm in ARMS),

@@ -12,7 +12,15 @@ rule sft:
         PATHS.log("sft"),
     benchmark:
         PATHS.benchmark("sft")
+    container:
+        CONTAINER
     threads: config["threads"]
+    resources:
+        **placement(sft_gpus),
+        mem_mb=default_mem_mb,
+        runtime=sft_runtime,
+        trainer_resume=trainer_resume,
+        trainer_wall_s=sft_wall_s,
     params:
         run=RUN_OVERRIDES,
         world_size=sft_cfg().batch.world_size,
@@ -20,7 +28,9 @@ rule sft:
         stop_marker=PATHS.sft_run_dir / "stopped.json",
     shell:
         "python -m align.launch --nproc={params.world_size} --stop-marker={params.stop_marker}"
-        " {input.script} {input.config} {params.run} --run.threads={params.rank_threads} > {log} 2>&1"
+        " {input.script} {input.config} {params.run} --run.threads={params.rank_threads}"
+        " --trainer.resume={resources.trainer_resume}"
+        " --trainer.max_wall_seconds={resources.trainer_wall_s} > {log} 2>&1"
 
 
 rule sft_gate:
@@ -36,7 +46,13 @@ rule sft_gate:
         PATHS.log("sft_gate"),
     benchmark:
         PATHS.benchmark("sft_gate")
+    container:
+        CONTAINER
     threads: config["threads"]
+    resources:
+        **placement(sft_single_gpu),
+        mem_mb=default_mem_mb,
+        runtime=default_runtime,
     params:
         run=RUN_OVERRIDES,
     shell:

@@ -14,6 +14,12 @@ rule tiny_default:
         PATHS.log("tiny_default"),
     benchmark:
         PATHS.benchmark("tiny_default")
+    container:
+        CONTAINER
+    resources:
+        **placement(no_gpu),
+        mem_mb=default_mem_mb,
+        runtime=default_runtime,
     params:
         out_dir=TINY_DIR,
     shell:

@@ -361,6 +361,7 @@ GOOD_META = {"status": "unchanged", "chosen_score": 9.0, "in_gsm8k_train": False
         (rec(**{**GOOD_META, "status": "tie"}), "status_excluded"),
         (rec(**{**GOOD_META, "chosen_score": 7.9}), "chosen_score_below_min"),
         (rec(**{**GOOD_META, "chosen_score": None}), "chosen_score_below_min"),
+        (rec(**{**GOOD_META, "chosen_score": float("nan")}), "chosen_score_below_min"),
         (rec(**{**GOOD_META, "in_gsm8k_train": True}), "in_gsm8k_train"),
         (rec(chosen=" \n", **GOOD_META), "empty_response"),
         (rec(rejected="", **GOOD_META), "empty_response"),
@@ -1418,25 +1419,14 @@ def test_manifest_gate_refuses_a_changed_shard_and_an_absent_arm(
 
 
 def test_bad_input_in_the_second_arm_exits_4_and_writes_nothing(tmp_path, default_workdir):
-    stub_sft_gate(tmp_path / "results", default_workdir / "resources" / "tiny" / "tokenizer")
-    lines = (default_workdir / "resources/tiny/data/steppairs.jsonl").read_text().splitlines()
-    bad = tmp_path / "bad.jsonl"
+    shutil.copytree(default_workdir / "resources", tmp_path / "resources")
+    stub_sft_gate(tmp_path / "results", tmp_path / "resources" / "tiny" / "tokenizer")
+    bad = tmp_path / "resources" / "tiny" / "data" / "steppairs.jsonl"
+    lines = bad.read_text().splitlines()
     bad.write_text("\n".join([*lines[:600], lines[600][:-7]]) + "\n")
-    steppairs = tmp_path / "steppairs.toml"
-    steppairs.write_text(
-        (ARMS / "steppairs.toml")
-        .read_text()
-        .replace('"resources/tiny/data/steppairs.jsonl"', json.dumps(str(bad)))
-    )
-    argilla = tmp_path / "argilla.toml"
-    argilla.write_text(
-        (ARMS / "argilla.toml")
-        .read_text()
-        .replace('"resources/', json.dumps(str(default_workdir))[:-1] + "/resources/")
-    )
-    run = run_build(tmp_path, str(argilla), str(steppairs))
+    run = run_build(tmp_path, *ARM_TOMLS)
     assert run.returncode == BAD_INPUT, run.stderr
-    assert f"{bad} line 601: not valid JSON" in run.stderr
+    assert "resources/tiny/data/steppairs.jsonl line 601: not valid JSON" in run.stderr
     assert not (tmp_path / "results" / "data").exists()
 
 

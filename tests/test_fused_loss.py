@@ -24,7 +24,7 @@ from align.losses.metrics import add_metric_sums, metric_sums, reduce_metrics
 from align.losses.reference import reference_dpo, reference_nll, reference_sequence_logps
 from align.model.hf_config import MistralConfig
 from align.model.mistral import NmoMistralForCausalLM
-from align.train.logprobs import sequence_logps
+from align.train.logprobs import full_logits_sequence_logps as sequence_logps
 
 # These matrices are tiny: thread hand-offs would cost far more than the arithmetic.
 torch.set_num_threads(1)

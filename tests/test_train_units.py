@@ -20,7 +20,7 @@ from align.data.tokenize import TokenizedPair
 from align.eval.preference import implicit_reward_preference, policy_preference
 from align.eval.stats import accuracy_summary, wilson_interval
 from align.exit_codes import USAGE, ConfigError
-from align.losses.dpo import dpo_losses
+from align.losses.dpo import DPOObjective, dpo_losses
 from align.model.hf_config import MistralConfig
 from align.model.mistral import NmoMistralForCausalLM
 from align.train.adapters import DpoAdapter
@@ -278,7 +278,7 @@ def test_sequence_logps_equals_a_hand_computation(tiny_model, shard):
 def test_dpo_adapter_against_its_own_reference_gives_log2(tiny_model, shard):
     all_rows = np.arange(len(shard))
     logps = sequence_logps(tiny_model, shard.collate(all_rows))
-    adapter = DpoAdapter(0.1, "sigmoid", ref_chosen=logps[:3], ref_rejected=logps[3:])
+    adapter = DpoAdapter(DPOObjective(beta=0.1), ref_chosen=logps[:3], ref_rejected=logps[3:])
     # Rows out of order: the adapter must look the reference up by row, not by position.
     batch = shard.collate(np.array([2, 0]))
     loss, sums = adapter.loss(tiny_model, batch, denominator=2.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -20,10 +20,10 @@ from tqdm import tqdm
 
 from align.config import ArmConfig, DataConfig, to_dict
 from align.data.filters import FilterCounts, Tally, active_reasons, classify, prompt_over_budget
-from align.data.formats import expand_files, iter_records
+from align.data.formats import PreferenceRecord, expand_files, iter_records
 from align.data.shards import PairShardBuilder
 from align.data.split import pair_id, split_of
-from align.data.tokenize import PromptRenderer, tokenize_pairs
+from align.data.tokenize import PromptRenderer, TokenizedPair, tokenize_pairs
 from align.paths import SPLITS, ArmPaths, RunPaths
 from align.receipts import DESCOPED, PASSED, hash_file, write_json_atomic
 
@@ -54,9 +54,46 @@ class ArmBuild:
 
     cfg: ArmConfig
     files: list[Path]
-    counts: FilterCounts
-    splits: dict[str, PairShardBuilder]
     prompt_rendering: str
+    counts: FilterCounts
+    splits: dict[str, PairShardBuilder] = field(
+        default_factory=lambda: {split: PairShardBuilder() for split in SPLITS}
+    )
+    ids_seen: set[int] = field(default_factory=set)
+
+    def split_of(self, record: PreferenceRecord) -> str:
+        return split_of(record.prompt, self.cfg.data.held_fraction, self.cfg.data.split_seed)
+
+    def count_removed(
+        self, chunk: list[tuple[PreferenceRecord, str | None]]
+    ) -> list[tuple[PreferenceRecord, str]]:
+        """Count the rows the text filters removed; return the others with their split."""
+        candidates = []
+        for record, reason in chunk:
+            split = self.split_of(record)
+            if reason is None:
+                candidates.append((record, split))
+            else:
+                self.counts.add(reason, record.source, split)
+        return candidates
+
+    def add_tokenized(self, record: PreferenceRecord, split: str, pair: TokenizedPair) -> None:
+        """Keep the pair in its split, unless its prompt alone is over the token budget."""
+        if prompt_over_budget(pair.prompt_tokens, self.cfg.data.max_prompt_tokens):
+            self.counts.add("prompt_over_budget", record.source, split)
+            return
+        pid = pair_id(record.prompt, record.chosen, record.rejected)
+        if pid in self.ids_seen:
+            raise AssertionError(f"{record.where()}: pair id collision {pid}")
+        self.ids_seen.add(pid)
+        self.counts.add(None, record.source, split)
+        self.splits[split].add(pid, pair)
+
+    def check_counts(self) -> None:
+        self.counts.check_reconciles(f"arm {self.cfg.arm} filter counts")
+        for split in SPLITS:
+            if _split_tally(self.counts, split).kept != len(self.splits[split]):
+                raise AssertionError(f"arm {self.cfg.arm} split {split}: kept != rows buffered")
 
 
 def prepare_arm(cfg: ArmConfig, tokenizer, renderer: PromptRenderer | None = None) -> ArmBuild:
@@ -66,38 +103,18 @@ def prepare_arm(cfg: ArmConfig, tokenizer, renderer: PromptRenderer | None = Non
     renderer = renderer or PromptRenderer(
         tokenizer, merge_system_into_user=data.merge_system_into_user
     )
-    counts = FilterCounts(active_reasons(data))
-    splits = {split: PairShardBuilder() for split in SPLITS}
-    ids_seen: set[int] = set()
+    build = ArmBuild(cfg, files, renderer.kind, FilterCounts(active_reasons(data)))
     records = classify(iter_records(files, data.format), data.filters)
     with progress(f"build_manifest {cfg.arm}") as bar:
         for chunk in batched(records, TOKENIZE_BATCH):
-            candidates = []
-            for record, reason in chunk:
-                split = split_of(record.prompt, data.held_fraction, data.split_seed)
-                if reason is None:
-                    candidates.append((record, split))
-                else:
-                    counts.add(reason, record.source, split)
-            tokenized = tokenize_pairs(
-                [r for r, _ in candidates], tokenizer, data.seq_len, renderer
-            )
+            candidates = build.count_removed(chunk)
+            kept = [record for record, _ in candidates]
+            tokenized = tokenize_pairs(kept, tokenizer, data.seq_len, renderer)
             for (record, split), pair in zip(candidates, tokenized, strict=True):
-                if prompt_over_budget(pair.prompt_tokens, data.max_prompt_tokens):
-                    counts.add("prompt_over_budget", record.source, split)
-                    continue
-                pid = pair_id(record.prompt, record.chosen, record.rejected)
-                if pid in ids_seen:
-                    raise AssertionError(f"{record.where()}: pair id collision {pid}")
-                ids_seen.add(pid)
-                counts.add(None, record.source, split)
-                splits[split].add(pid, pair)
+                build.add_tokenized(record, split, pair)
             bar.update(len(chunk))
-    counts.check_reconciles(f"arm {cfg.arm} filter counts")
-    for split in SPLITS:
-        if _split_tally(counts, split).kept != len(splits[split]):
-            raise AssertionError(f"arm {cfg.arm} split {split}: kept count != rows buffered")
-    return ArmBuild(cfg, files, counts, splits, renderer.kind)
+    build.check_counts()
+    return build
 
 
 def _split_tally(counts: FilterCounts, split: str) -> Tally:

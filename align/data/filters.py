@@ -56,8 +56,8 @@ def rejection_reason(record: PreferenceRecord, cfg: FilterConfig) -> str | None:
         return "status_excluded"
     if cfg.min_chosen_score is not None:
         score = _meta(record, "chosen_score", "min_chosen_score")
-        # A null score is no evidence the pair clears the bar.
-        if score is None or score < cfg.min_chosen_score:
+        # A null or NaN score is no evidence the pair clears the bar.
+        if score is None or not score >= cfg.min_chosen_score:
             return "chosen_score_below_min"
     if cfg.exclude_in_gsm8k_train and _meta(record, "in_gsm8k_train", "exclude_in_gsm8k_train"):
         return "in_gsm8k_train"
@@ -92,6 +92,12 @@ def classify(
         yield record, reason
 
 
+def _known(reason: str) -> str:
+    if reason not in REASONS:
+        raise ValueError(f"unknown filter reason {reason!r} (known: {', '.join(REASONS)})")
+    return reason
+
+
 class Tally:
     """Rows read, kept and removed by reason, for one group of rows."""
 
@@ -105,14 +111,14 @@ class Tally:
         if reason is None:
             self.kept += 1
         else:
-            self.removed[reason] += 1
+            self.removed[_known(reason)] += 1
 
     def move(self, reason: str) -> None:
         """A kept row removed by a later filter."""
         if self.kept < 1:
             raise AssertionError(f"no kept row left to remove as {reason!r}")
         self.kept -= 1
-        self.removed[reason] += 1
+        self.removed[_known(reason)] += 1
 
     def as_dict(self) -> dict:
         return {
@@ -133,8 +139,8 @@ class FilterCounts(Tally):
     """The total tally, plus one per source file and one per split when rows name them."""
 
     def __init__(self, reasons: Iterable[str] = ()) -> None:
-        super().__init__(reasons)
         self.reasons = tuple(reasons)
+        super().__init__(self.reasons)
         self.by_source: dict[str, Tally] = {}
         self.by_split: dict[str, Tally] = {}
 

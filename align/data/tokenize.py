@@ -46,7 +46,6 @@ class PromptRenderer:
     ):
         self.tokenizer = tokenizer
         self.merge_system_into_user = merge_system_into_user
-        self.bos_token = tokenizer.backend.id_to_token(tokenizer.bos_id)
         source = tokenizer.chat_template
         self.template = (
             ChatTemplate(source, self._special_tokens(tokenizer), where) if source else None
@@ -86,13 +85,12 @@ class PromptRenderer:
 
     def ids(self, records: Sequence[PreferenceRecord]) -> list[list[int]]:
         """Prompt token ids of each record, starting with exactly one bos."""
-        texts = [self.text(r) for r in records]
         bos = self.tokenizer.bos_id
-        out = []
-        for text, ids in zip(texts, self.tokenizer.encode_batch(texts), strict=True):
-            renders_bos = self.template is not None and text.startswith(self.bos_token)
-            out.append(ids if renders_bos else [bos, *ids])
-        return out
+        encoded = self.tokenizer.encode_batch([self.text(r) for r in records])
+        if self.template is None:
+            return [[bos, *ids] for ids in encoded]
+        # The bos token's text in a rendered template encodes to the bos id itself.
+        return [ids if ids[:1] == [bos] else [bos, *ids] for ids in encoded]
 
 
 @dataclass(frozen=True)

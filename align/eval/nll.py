@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from align.eval.preference import rank_blocks
-from align.train.logprobs import token_logps
+from align.train.logprobs import sequence_logps_and_counts
 from align.utils.dist import DistInfo, all_reduce_sum
 
 
@@ -16,9 +16,9 @@ def mean_nll(model, shard, batch_size: int, info: DistInfo) -> float:
     total, tokens = 0.0, 0
     for rows in rank_blocks(len(shard), batch_size, info.rank, info.world_size):
         batch = shard.collate(rows if rows is not None else np.arange(min(batch_size, len(shard))))
-        logits = model(batch.input_ids, attention_mask=batch.attention_mask)
+        logps, counts = sequence_logps_and_counts(model, batch)
         if rows is not None:
-            total -= float((token_logps(logits, batch.input_ids) * batch.loss_mask[:, 1:]).sum())
-            tokens += batch.num_loss_tokens
+            total -= float(logps.sum())
+            tokens += int(counts.sum())
     total, tokens = all_reduce_sum([total, tokens])
     return total / tokens

@@ -28,10 +28,15 @@ FIGURE_PIXELS = (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
 POLICY_COLOR, REFERENCE_COLOR, ALARM_COLOR = "tab:blue", "tab:gray", "tab:red"
 
 
-def new_figure(nrows: int = 1, ncols: int = 1) -> tuple[Figure, Any]:
+def blank_figure() -> Figure:
     """A figure on its own Agg canvas: no pyplot, so no global figure state to leak."""
     fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
     FigureCanvasAgg(fig)
+    return fig
+
+
+def new_figure(nrows: int = 1, ncols: int = 1) -> tuple[Figure, Any]:
+    fig = blank_figure()
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
@@ -64,8 +69,7 @@ def reference_logps(metrics: Sequence[dict[str, Any]], side: str, beta: float) -
 def not_measured(record: ArmRecord, what: str) -> str:
     if record.result is None:
         return f"{what}: arm result {NOT_RECORDED}"
-    standing = record.standing
-    return f"{what} {NOT_RECORDED}\n({standing['standing']}: {standing['reason']})"
+    return f"{what} {NOT_RECORDED}\n({record.standing['reason']})"
 
 
 def training_figure(record: ArmRecord) -> Figure:
@@ -216,8 +220,7 @@ def paired_figure(summary: RunSummary) -> Figure:
     if selection is None:
         return message_figure("paired evaluation", f"selection.json {NOT_RECORDED}")
     figures, decision = selection["figures"], selection["decision"]
-    fig, _ = new_figure()
-    fig.clear()
+    fig = blank_figure()
     axes = fig.subplot_mosaic([["accuracy", "length"], ["difference", "difference"]])
     fig.suptitle(
         f"selected: {decision['selected'] or 'none'} ({decision['branch']}); "

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from align.losses.fused import DEFAULT_CHUNK_SIZE, fused_sequence_logps
 from align.model.attention import attention, select_attn_implementation
 from align.model.hf_config import MistralConfig
 
@@ -126,10 +127,15 @@ class NmoMistralForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         return_hidden: bool = False,
-    ) -> torch.Tensor:
-        """Logits [B, T, V], or the final normed hidden states [B, T, H] if `return_hidden`.
+        labels: torch.Tensor | None = None,
+        loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, T, V], or the final normed hidden states [B, T, H] if `return_hidden`,
+        or with shifted `labels` [B, T] (see align.losses.fused.shift_labels) the summed label
+        log-probs and scored-token counts [B], chunk by chunk, never materializing [B, T, V].
 
-        `attention_mask` is [B, T], 1 for real tokens and 0 for right padding.
+        `attention_mask` is [B, T], 1 for real tokens and 0 for right padding. The label
+        path runs inside forward so a sharded lm_head is gathered while it is used.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
@@ -144,6 +150,8 @@ class NmoMistralForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, rope, mask)
         hidden = self.norm(x)
+        if labels is not None:
+            return fused_sequence_logps(hidden, self.lm_head.weight, labels, loss_chunk_size)
         return hidden if return_hidden else self.lm_head(hidden)
 
 

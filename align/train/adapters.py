@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from align.data.loader import TokenBatch
-from align.losses.dpo import dpo_losses
-from align.train.logprobs import sequence_logps, token_logps
+from align.losses.dpo import DPOObjective, dpo_objective
+from align.train.logprobs import sequence_logps_and_counts
 from align.train.tripwires import PairStats
 
 
@@ -27,16 +27,16 @@ class SftAdapter:
     def loss(
         self, model, batch: TokenBatch, denominator: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = model(batch.input_ids, attention_mask=batch.attention_mask)
-        nll = -(token_logps(logits, batch.input_ids) * batch.loss_mask[:, 1:]).sum()
-        return nll / denominator, {"nll_sum": float(nll.detach()), "tokens": batch.num_loss_tokens}
+        logps, counts = sequence_logps_and_counts(model, batch)
+        nll = -logps.sum()
+        return nll / denominator, {"nll_sum": float(nll.detach()), "tokens": int(counts.sum())}
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         return {"loss": sums["nll_sum"] / max(1, sums["tokens"])}
 
 
 class DpoAdapter:
-    """Pair-mean DPO loss against cached reference log-probs (looked up by row)."""
+    """Pair-mean DPO objective against cached reference log-probs (looked up by row)."""
 
     name = "dpo"
     metric_keys = (
@@ -47,13 +47,13 @@ class DpoAdapter:
         "rewards/accuracies",
         "logps/chosen",
         "logps/rejected",
+        "nll_sum",
     )
 
     def __init__(
-        self, beta: float, loss: str, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor
+        self, objective: DPOObjective, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor
     ):
-        self.beta = beta
-        self.loss_name = loss
+        self.objective = objective
         self.ref_chosen = ref_chosen
         self.ref_rejected = ref_rejected
         self.pair_stats: list[PairStats] = []  # drained by the tripwires after each step
@@ -64,36 +64,37 @@ class DpoAdapter:
     def loss(
         self, model, batch: TokenBatch, denominator: float
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        logps = sequence_logps(model, batch)
-        n = len(batch.rows)
+        logps, counts = sequence_logps_and_counts(model, batch)
         rows = torch.from_numpy(batch.rows)
-        losses, chosen_r, rejected_r = dpo_losses(
-            logps[:n],
-            logps[n:],
-            self.ref_chosen[rows],
-            self.ref_rejected[rows],
-            self.beta,
-            self.loss_name,
+        result = dpo_objective(
+            logps, counts, self.ref_chosen[rows], self.ref_rejected[rows], self.objective
         )
+        n = result.num_pairs
         sums = {
-            "loss_sum": float(losses.detach().sum()),
+            "loss_sum": float(result.losses.detach().sum()),
             "pairs": n,
-            "rewards/chosen": float(chosen_r.sum()),
-            "rewards/rejected": float(rejected_r.sum()),
-            "rewards/accuracies": float((chosen_r > rejected_r).float().sum()),
-            "logps/chosen": float(logps[:n].detach().sum()),
-            "logps/rejected": float(logps[n:].detach().sum()),
+            "rewards/chosen": float(result.chosen_rewards.sum()),
+            "rewards/rejected": float(result.rejected_rewards.sum()),
+            "rewards/accuracies": float(
+                (result.chosen_rewards > result.rejected_rewards).float().sum()
+            ),
+            "logps/chosen": float(result.chosen_logps.detach().sum()),
+            "logps/rejected": float(result.rejected_logps.detach().sum()),
+            "nll_sum": float(result.nll.detach().sum()) if result.nll is not None else 0.0,
         }
-        tokens = batch.loss_mask[:, 1:].sum(-1).double()
+        chosen_tokens = result.chosen_tokens.double()
         self.pair_stats.append(
             PairStats(
-                chosen_logratio_per_token=(chosen_r.double() / self.beta / tokens[:n]).numpy(),
-                margins=(chosen_r - rejected_r).double().numpy(),
-                chosen_tokens=tokens[:n].numpy(),
-                rejected_tokens=tokens[n:].numpy(),
+                chosen_logratio_per_token=(
+                    (result.chosen_logps.detach().double() - self.ref_chosen[rows].double())
+                    / chosen_tokens
+                ).numpy(),
+                margins=result.margins.double().numpy(),
+                chosen_tokens=chosen_tokens.numpy(),
+                rejected_tokens=result.rejected_tokens.double().numpy(),
             )
         )
-        return losses.sum() / denominator, sums
+        return result.losses.sum() / denominator, sums
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         pairs = max(1, sums["pairs"])
@@ -107,4 +108,6 @@ class DpoAdapter:
         ):
             out[key] = sums[key] / pairs
         out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        if self.objective.rpo_alpha > 0:
+            out["nll/chosen"] = sums["nll_sum"] / pairs
         return out

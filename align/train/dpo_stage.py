@@ -19,6 +19,7 @@ from align.config import ArmConfig
 from align.data.loader import PairShard
 from align.eval.preference import implicit_reward_preference, policy_preference, score_pairs
 from align.exit_codes import ConfigError
+from align.losses.dpo import DPOObjective
 from align.paths import SPLITS
 from align.train.adapters import DpoAdapter
 from align.train.probes import probe_figures
@@ -33,6 +34,17 @@ from align.utils.dist import DistInfo, all_reduce_sum, any_rank
 def _ref(path: Path, key: dict[str, str], shard: PairShard) -> tuple[torch.Tensor, torch.Tensor]:
     chosen, rejected = load_ref_cache(path, key, shard.pair_ids)
     return torch.from_numpy(chosen), torch.from_numpy(rejected)
+
+
+def dpo_objective_of(dpo) -> DPOObjective:
+    return DPOObjective(
+        beta=dpo.beta,
+        loss=dpo.loss,
+        label_smoothing=dpo.label_smoothing,
+        rpo_alpha=dpo.rpo_alpha,
+        length_normalize=dpo.length_normalize,
+        rdpo_alpha=dpo.rdpo_alpha,
+    )
 
 
 def _setup(cfg: ArmConfig, ctx: GateContext, run_dir: Path, trainer_cfg):
@@ -203,7 +215,11 @@ def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]
         "world_size": info.world_size,
         "banner": final["banner"] or first["banner"],
         "training": final["summary"],
-        "final_config": {"lr": final_cfg.optimizer.lr, "beta": final_cfg.dpo.beta},
+        "final_config": {
+            "lr": final_cfg.optimizer.lr,
+            "beta": final_cfg.dpo.beta,
+            "rpo_alpha": final_cfg.dpo.rpo_alpha,
+        },
         "held_out": {
             "sft": policy_preference(sft_c, sft_r),
             "policy": policy_preference(pol_c, pol_r),

@@ -1,7 +1,9 @@
-"""Per-row summed log-probabilities of the scored tokens, from full logits.
+"""Per-row summed log-probabilities of the scored tokens.
 
-Logits at position t predict token t + 1; a token is scored when its loss_mask is
-set, so the sum covers exactly the response tokens.
+`sequence_logps` is the one path stages use: chunked from hidden states inside the
+model's forward, so [B, T, V] logits never exist. `full_logits_sequence_logps` is the
+straightforward reference that tests compare it with. Logits at position t predict
+token t + 1; a token is scored when its loss_mask is set.
 """
 
 from __future__ import annotations
@@ -9,16 +11,25 @@ from __future__ import annotations
 import torch
 
 from align.data.loader import TokenBatch
+from align.losses.fused import shift_labels
 
 
-def token_logps(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """log p(x_{t+1} | x_<=t) for t in [0, T-1), in float32: shape [B, T-1]."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+def sequence_logps_and_counts(
+    model: torch.nn.Module, batch: TokenBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-prob [B] float32, scored token count [B]) through the chunked path."""
+    labels = shift_labels(batch.input_ids, batch.loss_mask)
+    logps, counts = model(batch.input_ids, attention_mask=batch.attention_mask, labels=labels)
+    return logps.float(), counts
 
 
 def sequence_logps(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
-    """Summed log-prob of each row's scored tokens: shape [B], float32."""
+    return sequence_logps_and_counts(model, batch)[0]
+
+
+def full_logits_sequence_logps(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+    """The reference: log_softmax over full logits, gathered at the labels."""
     logits = model(batch.input_ids, attention_mask=batch.attention_mask)
-    scored = batch.loss_mask[:, 1:]
-    return (token_logps(logits, batch.input_ids) * scored).sum(-1)
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    token = logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    return (token * batch.loss_mask[:, 1:]).sum(-1)

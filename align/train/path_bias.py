@@ -24,10 +24,15 @@ def sample_rows(n: int, sample_pairs: int, seed: int) -> np.ndarray:
 
 
 def margin_errors(
-    policy_chosen: np.ndarray, policy_rejected: np.ndarray, ref_chosen: np.ndarray, ref_rejected: np.ndarray
+    policy_chosen: np.ndarray,
+    policy_rejected: np.ndarray,
+    ref_chosen: np.ndarray,
+    ref_rejected: np.ndarray,
 ) -> np.ndarray:
     """Per-pair step-0 implicit reward margin (nats): zero when the paths agree exactly."""
-    return (policy_chosen.astype(np.float64) - ref_chosen) - (policy_rejected.astype(np.float64) - ref_rejected)
+    return (policy_chosen.astype(np.float64) - ref_chosen) - (
+        policy_rejected.astype(np.float64) - ref_rejected
+    )
 
 
 def path_bias_figures(
@@ -52,7 +57,11 @@ def path_bias_figures(
 def required_forward_impl(report: dict[str, Any]) -> str:
     """The forward_impl whose cache the DPO stage must train on, per the report."""
     figures = report["figures"]
-    return figures["cache_forward_impl"] if figures["action"] == ACCEPT else figures["training_forward_impl"]
+    return (
+        figures["cache_forward_impl"]
+        if figures["action"] == ACCEPT
+        else figures["training_forward_impl"]
+    )
 
 
 def table(figures: dict[str, Any]) -> str:

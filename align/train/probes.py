@@ -88,7 +88,9 @@ def host_available_mb() -> float:
     return (available or 0) / MIB
 
 
-def check_projection(projection: dict[str, Any], fraction: float, available_mb: float | None = None) -> dict:
+def check_projection(
+    projection: dict[str, Any], fraction: float, available_mb: float | None = None
+) -> dict:
     """Refuse (exit 6) a projection over `fraction` of the host's available memory."""
     available = host_available_mb() if available_mb is None else available_mb
     budget = fraction * available
@@ -98,7 +100,11 @@ def check_projection(projection: dict[str, Any], fraction: float, available_mb: 
             f"projected job RSS {projection['total_mb']:.0f} MiB for optimizer {projection['optimizer']} exceeds "
             f"{fraction:.0%} of available host memory {available:.0f} MiB ({terms} MiB)"
         )
-    return {"available_mb": available, "budget_mb": budget, "headroom_mb": budget - projection["total_mb"]}
+    return {
+        "available_mb": available,
+        "budget_mb": budget,
+        "headroom_mb": budget - projection["total_mb"],
+    }
 
 
 def probe_figures(

@@ -42,7 +42,9 @@ def precompute_ref_caches(
     return figures, info
 
 
-def run_path_bias(cfg, checkpoint: str, shard_path: str, cache: Path, key: dict[str, str], run_dir: Path):
+def run_path_bias(
+    cfg, checkpoint: str, shard_path: str, cache: Path, key: dict[str, str], run_dir: Path
+):
     """Score the pre-registered sample through the training path; compare with the cache."""
     from align.train.path_bias import margin_errors, path_bias_figures, sample_rows
     from align.train.ref_cache import forward_impl_name, load_ref_cache
@@ -52,8 +54,12 @@ def run_path_bias(cfg, checkpoint: str, shard_path: str, cache: Path, key: dict[
     shard = PairShard(shard_path)
     ref_chosen, ref_rejected = load_ref_cache(cache, key, shard.pair_ids)
     rows = sample_rows(len(shard), cfg.path_bias.sample_pairs, cfg.path_bias.seed)
-    chosen, rejected = score_pairs(model, shard, cfg.batch.micro_batch, info, desc="path bias", rows=rows)
+    chosen, rejected = score_pairs(
+        model, shard, cfg.batch.micro_batch, info, desc="path bias", rows=rows
+    )
     errors = margin_errors(chosen, rejected, ref_chosen[rows], ref_rejected[rows])
-    training_impl = forward_impl_name(model.attn_implementation, cfg.model.dtype, cfg.batch.micro_batch)
+    training_impl = forward_impl_name(
+        model.attn_implementation, cfg.model.dtype, cfg.batch.micro_batch
+    )
     cache_impl = key["forward_impl"]
     return path_bias_figures(errors, cfg.path_bias.tolerance, cache_impl, training_impl), info

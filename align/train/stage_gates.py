@@ -118,8 +118,13 @@ class GateContext:
     def cache_key(self, split: str, forward_impl: str, dtype: str) -> dict[str, str]:
         data = self.cfg.data
         return expected_key(
-            self.checkpoint, self.entry["shards"][split]["path"], data.seq_len, data.truncation,
-            dtype, forward_impl, checkpoint_weights=self.checkpoint_weights,
+            self.checkpoint,
+            self.entry["shards"][split]["path"],
+            data.seq_len,
+            data.truncation,
+            dtype,
+            forward_impl,
+            checkpoint_weights=self.checkpoint_weights,
         )
 
 
@@ -184,7 +189,10 @@ def _gate_preflight(ctx: GateContext) -> dict[str, Any]:
     ctx.projection = projected_job_rss(ctx.cfg, ctx.checkpoint, shard_bytes)
     host = check_projection(ctx.projection, ctx.cfg.preflight.host_memory_fraction)
     ctx.projection.update(host)
-    return {"projected_mb": round(ctx.projection["total_mb"]), "available_mb": round(host["available_mb"])}
+    return {
+        "projected_mb": round(ctx.projection["total_mb"]),
+        "available_mb": round(host["available_mb"]),
+    }
 
 
 def _gate_probe(ctx: GateContext) -> dict[str, Any]:
@@ -192,9 +200,15 @@ def _gate_probe(ctx: GateContext) -> dict[str, Any]:
     figures = receipt["figures"]
     b = ctx.cfg.batch
     measured_on = receipt.get("topology", {})
-    expected = {"world_size": b.world_size, "micro_batch": b.micro_batch, "grad_accum": b.grad_accum}
+    expected = {
+        "world_size": b.world_size,
+        "micro_batch": b.micro_batch,
+        "grad_accum": b.grad_accum,
+    }
     if measured_on != expected:
-        raise GateRefused("probe", f"{ctx.arm.probe}: measured on topology {measured_on}, expected {expected}")
+        raise GateRefused(
+            "probe", f"{ctx.arm.probe}: measured on topology {measured_on}, expected {expected}"
+        )
     projected, measured = ctx.projection["total_mb"], figures["peak_rss_mb"]
     tolerance = ctx.cfg.preflight.calibration_tolerance
     if projected < (1 - tolerance) * measured:
@@ -243,7 +257,14 @@ def run_gates(ctx: GateContext, through: str) -> GateReport:
         try:
             figures = gate(ctx)
         except GateRefused as err:
-            report.rows.append({"gate": name, "status": FAILED, "ms": _ms(started), "figures": {"reason": str(err)}})
+            report.rows.append(
+                {
+                    "gate": name,
+                    "status": FAILED,
+                    "ms": _ms(started),
+                    "figures": {"reason": str(err)},
+                }
+            )
             print(f"align gates:\n{report.table()}", file=sys.stderr)
             raise
         report.rows.append({"gate": name, "status": PASSED, "ms": _ms(started), "figures": figures})

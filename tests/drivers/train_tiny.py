@@ -20,6 +20,7 @@ from align.config import ArmConfig, apply_overrides
 from align.data.loader import PairShard
 from align.exit_codes import run_with_exit_codes
 from align.train.adapters import DpoAdapter
+from align.train.dpo_stage import dpo_objective_of
 from align.train.session import build_trainer, export_policy, load_policy, start_session
 from align.utils.dist import destroy_distributed
 
@@ -40,7 +41,9 @@ def main() -> None:
     ref = np.load(ns.workdir / "ref.npz")
     model = load_policy(ns.workdir / "base", cfg.model, info)
     adapter = DpoAdapter(
-        cfg.dpo.beta, "sigmoid", torch.from_numpy(ref["chosen"]), torch.from_numpy(ref["rejected"])
+        dpo_objective_of(cfg.dpo),
+        torch.from_numpy(ref["chosen"]),
+        torch.from_numpy(ref["rejected"]),
     )
     trainer = build_trainer(
         model,
