@@ -55,7 +55,7 @@ def _setup(cfg: ArmConfig, ctx: GateContext, run_dir: Path, trainer_cfg):
     trainer = build_trainer(
         model,
         shards["train"],
-        DpoAdapter(cfg.dpo.beta, cfg.dpo.loss, *refs["train"]),
+        DpoAdapter(dpo_objective_of(cfg.dpo), *refs["train"]),
         optim=cfg.optimizer,
         batch=cfg.batch,
         trainer=trainer_cfg,
