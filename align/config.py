@@ -176,6 +176,10 @@ class RunConfig:
     sft_checkpoint: str = ""
     device: str = "cpu"
     threads: int = 2
+    heavy_lock: str = "wait"
+    heavy_lock_path: str = "/tmp/align-heavy.lock"
+    expected_host: str = ""
+    require_off_root: bool = False
 
 
 @dataclass

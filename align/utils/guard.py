@@ -1,10 +1,21 @@
-"""Resource guards applied before any heavy import: the CPU thread cap."""
+"""Resource guards applied before any heavy work: the CPU thread cap, a host-wide lock
+so two heavy stages never share a host without swap, an optional strict host check,
+and run directories kept off the root filesystem."""
 
 from __future__ import annotations
 
 import os
+import socket
+import sys
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from align.exit_codes import ConfigError, PreflightRefused
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+LOCK_MODES = ("wait", "refuse", "off")
+_held: list[FileLock] = []  # held until the process exits; the OS releases it even on SIGKILL
 
 
 def cap_threads(threads: int) -> None:
@@ -13,9 +24,50 @@ def cap_threads(threads: int) -> None:
         raise ValueError(f"run.threads must be >= 1, got {threads}")
     for var in THREAD_VARS:
         os.environ[var] = str(threads)
-    import sys
-
     if "torch" in sys.modules:
         import torch
 
         torch.set_num_threads(threads)
+
+
+def acquire_heavy_lock(lock_path: str | Path, mode: str, stage: str) -> None:
+    """Take the host-wide heavy-job lock: wait for it, or refuse (exit 6) when it is held."""
+    if mode not in LOCK_MODES:
+        raise ConfigError(f"run.heavy_lock expected one of {LOCK_MODES}, found {mode!r}")
+    if mode == "off" or os.environ.get("RANK", "0") != "0":
+        return
+    lock = FileLock(str(lock_path))
+    try:
+        lock.acquire(timeout=-1 if mode == "wait" else 0)
+    except Timeout as err:
+        raise PreflightRefused(
+            f"{stage}: another heavy stage holds {lock_path} on {socket.gethostname()} "
+            "(run.heavy_lock=refuse; use wait to queue behind it)"
+        ) from err
+    _held.append(lock)
+
+
+def assert_expected_host(expected: str) -> None:
+    """The strict host check: refuse to run anywhere but the named host (empty: any host)."""
+    if expected and socket.gethostname() != expected:
+        raise PreflightRefused(f"run.expected_host is {expected!r}, this host is {socket.gethostname()!r}")
+
+
+def assert_paths_off_root(*paths: str | Path) -> None:
+    """Refuse run directories on the root filesystem, which a full disk would take down."""
+    root = os.stat("/").st_dev
+    for path in paths:
+        existing = Path(path).resolve()
+        while not existing.exists():
+            existing = existing.parent
+        if os.stat(existing).st_dev == root:
+            raise PreflightRefused(f"{path}: on the root filesystem (run.require_off_root=true)")
+
+
+def apply_resource_guards(run, stage: str, run_dirs: list[str | Path]) -> None:
+    """Every guard the run config asks for, before a model is loaded."""
+    cap_threads(run.threads)
+    assert_expected_host(run.expected_host)
+    if run.require_off_root:
+        assert_paths_off_root(*run_dirs)
+    acquire_heavy_lock(run.heavy_lock_path, run.heavy_lock, stage)

@@ -11,7 +11,7 @@ from align.paths import RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, hash_file
 from align.stage import Stage, is_main_process, parse_stage_args
 from align.train.stage_gates import GateContext, run_gates
-from align.utils.guard import cap_threads
+from align.utils.guard import apply_resource_guards
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
         return
     if "gates-only" in args.flags:
         return
-    cap_threads(cfg.run.threads)
+    apply_resource_guards(cfg.run, stage.name, [cfg.run.results_dir])
     from align.utils.dist import destroy_distributed
 
     if probe:

@@ -12,7 +12,7 @@ from align.receipts import PASSED, hash_file
 from align.stage import Stage, parse_stage_args
 from align.train import stage_gates
 from align.train.ref_cache import expected_key, forward_impl_name
-from align.utils.guard import cap_threads
+from align.utils.guard import apply_resource_guards
 
 
 def build_caches(loaded, checkpoint: str, entry: dict, arm: ArmPaths, stage: Stage) -> None:
@@ -60,7 +60,7 @@ def main() -> None:
     stage = Stage(mode)
     checkpoint = stage_gates.sft_gate(paths)["checkpoint"]
     entry = stage_gates.manifest_entry(paths, cfg, checkpoint)
-    cap_threads(cfg.run.threads)
+    apply_resource_guards(cfg.run, mode, [cfg.run.results_dir])
     from align.utils.dist import destroy_distributed
 
     run = measure_path_bias if mode == "path_bias" else build_caches

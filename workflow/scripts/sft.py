@@ -9,7 +9,7 @@ from align.exit_codes import run_with_exit_codes
 from align.paths import RunPaths
 from align.receipts import PASSED
 from align.stage import Stage, parse_stage_args
-from align.utils.guard import cap_threads
+from align.utils.guard import apply_resource_guards
 
 
 def main() -> None:
@@ -17,7 +17,7 @@ def main() -> None:
     loaded = load_config(args.configs[0], SftConfig, args.overrides)
     cfg, paths = loaded.cfg, RunPaths.of(loaded.cfg.run.results_dir)
     stage = Stage("sft")
-    cap_threads(cfg.run.threads)
+    apply_resource_guards(cfg.run, "sft", [cfg.run.results_dir])
     from align.model.weights_hash import weights_hash
     from align.train.sft_stage import run_sft
     from align.utils.dist import destroy_distributed

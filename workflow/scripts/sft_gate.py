@@ -11,7 +11,7 @@ from align.exit_codes import GateRefused, run_with_exit_codes
 from align.paths import RunPaths
 from align.receipts import FAILED, PASSED
 from align.stage import Stage, parse_stage_args
-from align.utils.guard import cap_threads
+from align.utils.guard import apply_resource_guards
 
 
 def main() -> None:
@@ -20,7 +20,7 @@ def main() -> None:
     cfg, paths = loaded.cfg, RunPaths.of(loaded.cfg.run.results_dir)
     stage = Stage("sft_gate")
     checkpoint = Path(cfg.run.sft_checkpoint) if cfg.run.sft_checkpoint else paths.sft_checkpoint
-    cap_threads(cfg.run.threads)
+    apply_resource_guards(cfg.run, "sft_gate", [cfg.run.results_dir])
     from align.model.weights_hash import weights_fingerprint, weights_hash
     from align.train.sft_stage import evaluate_sft_gate
     from align.utils.dist import destroy_distributed

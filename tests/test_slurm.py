@@ -1,0 +1,306 @@
+"""The workflow on a real Slurm cluster (one node, .ci/slurm_up.sh): what each job asked for.
+
+The `gates` target and one arm's `dpo` of a reduced tiny config run through
+`--executor slurm`; then the submitted jobs are read back from the controller
+(`scontrol show job`) and their requested memory, time, CPUs, GPUs and partition are
+checked against what the receipts demanded. The first attempt of each training stage
+is capped at one trainer second, so it stops at a step boundary and exits 75, and the
+retry must resume from the checkpoint it left. A second run asks for CUDA, which this
+node cannot give: its job must still have requested every GPU in one task on the GPU
+partition, and the stage must refuse rather than fall back to the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from align.paths import RunPaths
+
+REPO = Path(__file__).resolve().parents[1]
+ARM = "argilla"
+IN_CI = os.environ.get("CI") == "true"
+# Margins of the reduced config; the expected requests below are computed from them.
+JOB_RESOURCES = {
+    "mem_mb": 1000,
+    "runtime_min": 7,
+    "sft_runtime_min": 9,
+    "mem_margin": 1.25,
+    "mem_overhead_mb": 512,
+    "runtime_margin": 1.5,
+    "startup_s": 60,
+    "checkpoint_s": 30,
+}
+# One Snakemake run must finish well inside CI's budget; timeout -k makes sure it ends.
+RUN_TIMEOUT_S = 900
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        shutil.which("sinfo") is None and not IN_CI,
+        reason="no Slurm client on this host (sinfo absent); .ci/slurm_up.sh starts a one-node cluster",
+    ),
+]
+
+
+@dataclass(frozen=True)
+class SlurmRun:
+    workdir: Path
+    result: subprocess.CompletedProcess
+    jobs: list[dict[str, str]]
+    seconds: float
+
+    def output(self) -> str:
+        return self.result.stdout[-6000:] + self.result.stderr[-6000:]
+
+    def of_rule(self, rule: str) -> list[dict[str, str]]:
+        """The rule's jobs in submission order (a retry is a new job)."""
+        prefix = f"rule_{rule}"
+        return [
+            job
+            for job in self.jobs
+            if job["Comment"] == prefix or job["Comment"].startswith(f"{prefix}_wildcards_")
+        ]
+
+    def receipt(self, path: Path) -> dict:
+        return json.loads((self.workdir / path).read_text())
+
+
+@pytest.fixture(scope="module")
+def cluster() -> None:
+    """A live controller with an idle node; under CI its absence is a failure, not a skip."""
+    if shutil.which("sinfo") is None:
+        pytest.fail("CI=true but no Slurm here: .ci/run must call .ci/slurm_up.sh before the tests")
+    state = subprocess.run(["sinfo", "-h", "-o", "%P %t"], capture_output=True, text=True, timeout=30)
+    assert state.returncode == 0 and state.stdout.strip(), (
+        f"Slurm is installed but not answering (run .ci/slurm_up.sh): {state.stderr.strip()}"
+    )
+    partitions = dict(line.split() for line in state.stdout.splitlines())
+    assert {"cpu*", "gpu"} <= partitions.keys(), f"expected partitions cpu (default) and gpu: {partitions}"
+
+
+def threads() -> int:
+    """Every torch job asks for the configured threads, so the node must have as many CPUs."""
+    return min(2, os.cpu_count() or 1)
+
+
+def reduced_config(work: Path, **overrides) -> Path:
+    """The tiny default cut to one arm and one epoch of each training stage.
+
+    The SFT gate's thresholds are relaxed because one epoch does not reach the
+    pre-registered quality; this run checks the jobs, not the policy.
+    """
+    arms = work / "arms"
+    arms.mkdir(exist_ok=True)
+    arm_toml = (REPO / "config" / "arms" / f"{ARM}.toml").read_text()
+    (arms / f"{ARM}.toml").write_text(re.sub(r"(?m)^epochs = \d+$", "epochs = 1", arm_toml))
+    sft_toml = (REPO / "config" / "sft.toml").read_text()
+    sft_toml = re.sub(r"(?m)^epochs = \d+$", "epochs = 1", sft_toml)
+    sft_toml = re.sub(r"(?m)^max_held_nll = .*$", "max_held_nll = 100.0", sft_toml)
+    sft_toml = re.sub(r"(?m)^min_terminated_fraction = .*$", "min_terminated_fraction = 0.0", sft_toml)
+    device = overrides.pop("sft_device", None)
+    if device is not None:
+        sft_toml += f'\n[run]\ndevice = "{device}"\n'
+    (work / "sft.toml").write_text(sft_toml)
+    config = {
+        "arms": [ARM],
+        "arm_config_dir": str(arms),
+        "sft_config": str(work / "sft.toml"),
+        "threads": threads(),
+        "slurm_partition": "cpu",
+        "slurm_gpu_partition": "gpu",
+        "job_resources": JOB_RESOURCES,
+        **overrides,
+    }
+    path = work / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def snakemake_on_slurm(work: Path, config: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    command = [
+        "timeout",
+        "-k",
+        "20",
+        str(RUN_TIMEOUT_S),
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(REPO / "Snakefile"),
+        "--directory",
+        str(work),
+        "--configfile",
+        str(config),
+        "--executor",
+        "slurm",
+        "--jobs",
+        "2",
+        "--latency-wait",
+        "10",
+        # No accounting database on the test cluster: poll the controller, name no account.
+        "--slurm-status-command",
+        "squeue",
+        "--slurm-init-seconds-before-status-checks",
+        "1",
+        "--slurm-no-account",
+        *args,
+    ]
+    return subprocess.run(
+        command, cwd=work, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 60
+    )
+
+
+def jobs_of(work: Path) -> list[dict[str, str]]:
+    """Every job the controller still holds that was submitted from `work`, oldest first."""
+    shown = subprocess.run(
+        ["scontrol", "--oneliner", "show", "job"], capture_output=True, text=True, timeout=30
+    )
+    assert shown.returncode == 0, shown.stderr
+    jobs = [dict(re.findall(r"(\S+?)=(\S*)", line)) for line in shown.stdout.splitlines() if line.strip()]
+    mine = [job for job in jobs if Path(job.get("WorkDir", "/")) == work]
+    return sorted(mine, key=lambda job: int(job["JobId"]))
+
+
+@pytest.fixture(scope="module")
+def slurm_run(cluster, tmp_path_factory) -> SlurmRun:
+    work = tmp_path_factory.mktemp("slurm").resolve()
+    config = reduced_config(work, first_attempt_wall_s=1)
+    started = time.monotonic()
+    result = snakemake_on_slurm(
+        work, config, "--retries", "2", "gates", str(RunPaths.of("results").arm(ARM).arm_result)
+    )
+    run = SlurmRun(work, result, jobs_of(work), time.monotonic() - started)
+    print(f"slurm run: {run.seconds:.0f} s, {len(run.jobs)} jobs", file=sys.stderr)
+    assert result.returncode == 0, run.output()
+    return run
+
+
+def memory_mb(value: str) -> int:
+    """A Slurm memory figure (`2411M`, `8G`) in MiB."""
+    number, unit = re.fullmatch(r"([\d.]+)([KMGT]?)", value).groups()
+    return round(float(number) * {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024**2}[unit])
+
+
+def minutes(value: str) -> int:
+    """A Slurm time limit (`[days-]hh:mm:ss`) in whole minutes."""
+    days, _, clock = value.rpartition("-")
+    h, m, s = (int(part) for part in clock.split(":"))
+    return (int(days or 0) * 24 + h) * 60 + m + math.ceil(s / 60)
+
+
+def gpus(job: dict[str, str]) -> int:
+    found = re.search(r"gres[:/]gpu[:=](\d+)", job.get("TresPerJob", "") + job.get("ReqTRES", ""))
+    return int(found.group(1)) if found else 0
+
+
+def rss_request(rss_mb: float, attempt: int) -> int:
+    r = JOB_RESOURCES
+    return math.ceil(rss_mb * r["mem_margin"] + r["mem_overhead_mb"]) * attempt
+
+
+CLUSTER_RULES = ("tiny_default", "sft", "sft_gate", "ref_cache", "path_bias", "probe", "dpo")
+TORCH_RULES = ("sft", "sft_gate", "ref_cache", "path_bias", "probe", "dpo")
+
+
+def test_cluster_rules_are_slurm_jobs_and_bookkeeping_stays_local(slurm_run):
+    rules = {job["Comment"].split("_wildcards_")[0].removeprefix("rule_") for job in slurm_run.jobs}
+    assert rules == set(CLUSTER_RULES), slurm_run.jobs
+    for job in slurm_run.jobs:
+        assert job["JobState"] in ("COMPLETED", "FAILED"), job
+
+
+def test_cpu_jobs_take_one_task_no_gpu_and_the_cpu_partition(slurm_run):
+    for job in slurm_run.jobs:
+        rule = job["Comment"].split("_wildcards_")[0].removeprefix("rule_")
+        assert job["Partition"] == "cpu", job
+        assert gpus(job) == 0, job
+        assert job["NumTasks"] == "1" and job["NumNodes"] == "1", job
+        assert int(job["CPUs/Task"]) == (threads() if rule in TORCH_RULES else 1), job
+
+
+def test_unmeasured_jobs_take_the_configured_requests(slurm_run):
+    for rule in ("tiny_default", "sft_gate", "ref_cache", "path_bias", "probe"):
+        (job,) = slurm_run.of_rule(rule)
+        assert minutes(job["TimeLimit"]) == JOB_RESOURCES["runtime_min"], job
+        if rule != "probe":
+            assert memory_mb(job["MinMemoryNode"]) == JOB_RESOURCES["mem_mb"], job
+    first_sft = slurm_run.of_rule("sft")[0]
+    assert minutes(first_sft["TimeLimit"]) == JOB_RESOURCES["sft_runtime_min"], first_sft
+
+
+def test_probe_memory_is_the_preflight_projection_plus_margin(slurm_run):
+    preflight = slurm_run.receipt(RunPaths.of("results").arm(ARM).preflight)
+    (probe,) = slurm_run.of_rule("probe")
+    expected = rss_request(preflight["figures"]["total_mb"], attempt=1)
+    assert memory_mb(probe["MinMemoryNode"]) == expected, (probe, preflight["figures"])
+
+
+def test_dpo_memory_and_time_follow_the_receipts_and_scale_with_the_attempt(slurm_run):
+    paths = RunPaths.of("results").arm(ARM)
+    preflight = slurm_run.receipt(paths.preflight)["figures"]
+    probe = slurm_run.receipt(paths.probe)
+    rss = max(preflight["total_mb"], probe["figures"]["peak_rss_mb"])
+    reserve = JOB_RESOURCES["startup_s"] + JOB_RESOURCES["checkpoint_s"]
+    projected = probe["figures"]["projected_wall_s"] * JOB_RESOURCES["runtime_margin"]
+    runtime = math.ceil((projected + reserve) / 60)
+    attempts = slurm_run.of_rule("dpo")
+    assert len(attempts) == 2, attempts
+    for attempt, job in enumerate(attempts, start=1):
+        assert memory_mb(job["MinMemoryNode"]) == rss_request(rss, attempt), (job, rss)
+        assert minutes(job["TimeLimit"]) == runtime * attempt, (job, probe["figures"])
+
+
+@pytest.mark.parametrize("rule", ["sft", "dpo"])
+def test_a_stopped_first_attempt_is_retried_and_resumes(slurm_run, rule):
+    first, second = slurm_run.of_rule(rule)
+    assert first["JobState"] == "FAILED" and second["JobState"] == "COMPLETED", (first, second)
+    name = ARM if rule == "dpo" else "all"
+    log = (slurm_run.workdir / RunPaths.of("results").log(rule, name)).read_text()
+    assert "--trainer.resume=true" in log and "resumed from" in log, log[-3000:]
+
+
+def test_the_resumed_dpo_run_records_where_it_resumed(slurm_run):
+    result = slurm_run.receipt(RunPaths.of("results").arm(ARM).arm_result)
+    training = result["figures"]["training"]
+    assert training["resumed_from"], training
+    assert training["steps"] == training["horizon_steps"], training
+    assert result["overrides"]["trainer.resume"] is True, result["overrides"]
+
+
+def test_the_trainer_budget_is_the_time_limit_less_the_reserve(slurm_run):
+    result = slurm_run.receipt(RunPaths.of("results").arm(ARM).arm_result)
+    _, second = slurm_run.of_rule("dpo")
+    reserve = JOB_RESOURCES["startup_s"] + JOB_RESOURCES["checkpoint_s"]
+    expected = minutes(second["TimeLimit"]) * 60 - reserve
+    assert result["overrides"]["trainer.max_wall_seconds"] == expected, result["overrides"]
+
+
+def test_a_cuda_job_holds_every_gpu_in_one_task_on_the_gpu_partition(slurm_run, tmp_path):
+    """The node's GPUs are dummies: the request is what is checked, and the refusal."""
+    work = tmp_path.resolve()
+    # The tiny default the first run wrote, at the relative paths the configs name.
+    (work / "resources").symlink_to(slurm_run.workdir / "resources")
+    config = reduced_config(work, sft_device="cuda")
+    result = snakemake_on_slurm(work, config, "--retries", "0", str(RunPaths.of("results").sft_receipt))
+    assert result.returncode != 0, "a CUDA stage cannot succeed on this node"
+    (job,) = jobs_of(work)
+    assert job["Comment"] == "rule_sft", job
+    assert job["Partition"] == "gpu", job
+    assert gpus(job) == 2, job
+    assert job["NumTasks"] == "1" and job["NumNodes"] == "1", job
+    assert "NtasksPerTRES" not in job or job["NtasksPerTRES"] in ("0", ""), job
+    log = (work / RunPaths.of("results").log("sft")).read_text()
+    assert "CUDA is not available" in log, log[-3000:]
