@@ -307,6 +307,15 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+UNPINNED_DATA_KEYS = ("expected_train_pairs", "expected_held_pairs")
+
+
+def pinned_data_config(data: DataConfig) -> dict[str, Any]:
+    """The `[data]` choices that determine an arm's shards, as the manifest records them."""
+    return {k: v for k, v in to_dict(data).items() if k not in UNPINNED_DATA_KEYS}
+
+
+
 def load_config(path: str | Path, cls: type[T], overrides: list[str] | None = None) -> Loaded[T]:
     """Load `path` into `cls`, refuse unknown keys and wrong types, then apply overrides."""
     path = Path(path)

@@ -272,20 +272,31 @@ def trainer_resume(wildcards, attempt):
     return "true" if attempt > 1 else "false"
 
 
+def time_limited():
+    """Whether a scheduler enforces the job's runtime.
+
+    True on the submitting side of a cluster executor and inside the job it runs.
+    Nothing stops a local job, so its trainer is not stopped either.
+    """
+    return workflow.non_local_exec or workflow.remote_exec
+
+
 def wall_seconds(runtime_min, reserve_s, attempt):
-    """The trainer's budget: the job's time limit less the reserve.
+    """The trainer's budget (0: none): the job's time limit less the reserve.
 
     So the stage stops at a step boundary and saves before Slurm's SIGTERM and SIGKILL.
     `first_attempt_wall_s` caps the first attempt, which makes the resumed retry testable.
     """
+    cap = config["first_attempt_wall_s"] if attempt == 1 else 0
+    if not time_limited():
+        return cap
     wall = math.floor(runtime_min * 60 - reserve_s)
     if wall <= 0:
         raise ValueError(
             f"time limit {runtime_min} min leaves no training time after the "
             f"{reserve_s:.0f} s reserve (job_resources.startup_s + checkpoint_s)"
         )
-    cap = config["first_attempt_wall_s"]
-    return min(wall, cap) if cap and attempt == 1 else wall
+    return min(wall, cap) if cap else wall
 
 
 def dpo_wall_s(wildcards, input, attempt):

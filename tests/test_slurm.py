@@ -45,13 +45,7 @@ JOB_RESOURCES = {
 # One Snakemake run must finish well inside CI's budget; timeout -k makes sure it ends.
 RUN_TIMEOUT_S = 900
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        shutil.which("sinfo") is None and not IN_CI,
-        reason="no Slurm client on this host (sinfo absent); .ci/slurm_up.sh starts a one-node cluster",
-    ),
-]
+pytestmark = pytest.mark.slow
 
 
 @dataclass(frozen=True)
@@ -81,13 +75,21 @@ class SlurmRun:
 def cluster() -> None:
     """A live controller with an idle node; under CI its absence is a failure, not a skip."""
     if shutil.which("sinfo") is None:
+        if not IN_CI:
+            pytest.skip(
+                "no Slurm client on this host (sinfo absent); .ci/slurm_up.sh starts a one-node cluster"
+            )
         pytest.fail("CI=true but no Slurm here: .ci/run must call .ci/slurm_up.sh before the tests")
-    state = subprocess.run(["sinfo", "-h", "-o", "%P %t"], capture_output=True, text=True, timeout=30)
+    state = subprocess.run(
+        ["sinfo", "-h", "-o", "%P %t"], capture_output=True, text=True, timeout=30
+    )
     assert state.returncode == 0 and state.stdout.strip(), (
         f"Slurm is installed but not answering (run .ci/slurm_up.sh): {state.stderr.strip()}"
     )
     partitions = dict(line.split() for line in state.stdout.splitlines())
-    assert {"cpu*", "gpu"} <= partitions.keys(), f"expected partitions cpu (default) and gpu: {partitions}"
+    assert {"cpu*", "gpu"} <= partitions.keys(), (
+        f"expected partitions cpu (default) and gpu: {partitions}"
+    )
 
 
 def threads() -> int:
@@ -108,7 +110,9 @@ def reduced_config(work: Path, **overrides) -> Path:
     sft_toml = (REPO / "config" / "sft.toml").read_text()
     sft_toml = re.sub(r"(?m)^epochs = \d+$", "epochs = 1", sft_toml)
     sft_toml = re.sub(r"(?m)^max_held_nll = .*$", "max_held_nll = 100.0", sft_toml)
-    sft_toml = re.sub(r"(?m)^min_terminated_fraction = .*$", "min_terminated_fraction = 0.0", sft_toml)
+    sft_toml = re.sub(
+        r"(?m)^min_terminated_fraction = .*$", "min_terminated_fraction = 0.0", sft_toml
+    )
     device = overrides.pop("sft_device", None)
     if device is not None:
         sft_toml += f'\n[run]\ndevice = "{device}"\n'
@@ -169,7 +173,11 @@ def jobs_of(work: Path) -> list[dict[str, str]]:
         ["scontrol", "--oneliner", "show", "job"], capture_output=True, text=True, timeout=30
     )
     assert shown.returncode == 0, shown.stderr
-    jobs = [dict(re.findall(r"(\S+?)=(\S*)", line)) for line in shown.stdout.splitlines() if line.strip()]
+    jobs = [
+        dict(re.findall(r"(\S+?)=(\S*)", line))
+        for line in shown.stdout.splitlines()
+        if line.strip()
+    ]
     mine = [job for job in jobs if Path(job.get("WorkDir", "/")) == work]
     return sorted(mine, key=lambda job: int(job["JobId"]))
 
@@ -209,6 +217,50 @@ def gpus(job: dict[str, str]) -> int:
 def rss_request(rss_mb: float, attempt: int) -> int:
     r = JOB_RESOURCES
     return math.ceil(rss_mb * r["mem_margin"] + r["mem_overhead_mb"]) * attempt
+
+
+CHAIN = (
+    "tiny_default",
+    "sft",
+    "sft_gate",
+    "build_manifest",
+    "ref_cache",
+    "path_bias",
+    "preflight",
+    "probe",
+)
+
+
+def dry_run_rules(work: Path, target: str) -> list[str]:
+    """The rules a dry run lists for `target`, in first-appearance order."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(work),
+            "--dry-run",
+            target,
+        ],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    found = re.findall(r"(?m)^(?:local)?(?:rule|checkpoint) (\w+):$", run.stdout + run.stderr)
+    return list(dict.fromkeys(found))
+
+
+def test_the_gates_target_is_the_chain_through_the_probe_and_trains_nothing(tmp_path):
+    assert dry_run_rules(tmp_path, "gates") == [*CHAIN, "gates"]
+
+
+def test_a_dry_run_of_the_arms_lists_every_gate_in_chain_order(tmp_path):
+    assert dry_run_rules(tmp_path, "arms") == [*CHAIN, "dpo", "select_arms", "arms"]
 
 
 CLUSTER_RULES = ("tiny_default", "sft", "sft_gate", "ref_cache", "path_bias", "probe", "dpo")
@@ -294,7 +346,9 @@ def test_a_cuda_job_holds_every_gpu_in_one_task_on_the_gpu_partition(slurm_run, 
     # The tiny default the first run wrote, at the relative paths the configs name.
     (work / "resources").symlink_to(slurm_run.workdir / "resources")
     config = reduced_config(work, sft_device="cuda")
-    result = snakemake_on_slurm(work, config, "--retries", "0", str(RunPaths.of("results").sft_receipt))
+    result = snakemake_on_slurm(
+        work, config, "--retries", "0", str(RunPaths.of("results").sft_receipt)
+    )
     assert result.returncode != 0, "a CUDA stage cannot succeed on this node"
     (job,) = jobs_of(work)
     assert job["Comment"] == "rule_sft", job

@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from align.config import ArmConfig, DataConfig, to_dict
+from align.config import ArmConfig, pinned_data_config
 from align.data.filters import FilterCounts, Tally, active_reasons, classify, prompt_over_budget
 from align.data.formats import PreferenceRecord, expand_files, iter_records
 from align.data.shards import PairShardBuilder
@@ -29,18 +29,12 @@ from align.receipts import DESCOPED, PASSED, hash_file, write_json_atomic
 
 TOKENIZE_BATCH = 1024
 # Compared by the manifest gate with the counts, not as part of what shapes the shards.
-UNPINNED_DATA_KEYS = ("expected_train_pairs", "expected_held_pairs")
 
 
 def batched(items: Iterable, size: int) -> Iterator[list]:
     it = iter(items)
     while chunk := list(islice(it, size)):
         yield chunk
-
-
-def pinned_data_config(data: DataConfig) -> dict[str, Any]:
-    """The `[data]` choices that determine an arm's shards, as the manifest records them."""
-    return {k: v for k, v in to_dict(data).items() if k not in UNPINNED_DATA_KEYS}
 
 
 def progress(desc: str) -> tqdm:

@@ -20,9 +20,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from align.data.metadata import read_metadata, single_key_metadata  # noqa: F401  (re-exported)
 from align.data.tokenize import TokenizedPair
 from align.receipts import atomic_path
 
@@ -71,17 +71,6 @@ def write_shard(
 ) -> None:
     with atomic_path(path) as tmp:
         save_file(arrays, str(tmp), metadata=single_key_metadata({"format": fmt, **metadata}))
-
-
-def single_key_metadata(metadata: dict[str, object]) -> dict[str, str]:
-    """safetensors writes metadata keys in no fixed order; one key keeps the bytes reproducible."""
-    return {"align": json.dumps(metadata, sort_keys=True)}
-
-
-def read_metadata(path: str | Path) -> dict[str, object]:
-    with safe_open(str(path), framework="numpy") as f:
-        metadata = f.metadata() or {}
-    return json.loads(metadata["align"]) if "align" in metadata else {}
 
 
 def read_shard(path: str | Path) -> dict[str, np.ndarray]:

@@ -16,11 +16,14 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from align.receipts import atomic_path, hash_files
-
-TOKENIZER_FILE = "tokenizer.json"
-CONFIG_FILE = "tokenizer_config.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
+from align.model.tokenizer_hash import (  # noqa: F401  (re-exported)
+    CHAT_TEMPLATE_FILE,
+    CONFIG_FILE,
+    TOKENIZER_FILE,
+    tokenizer_files,
+    tokenizer_hash,
+)
+from align.receipts import atomic_path
 
 UNK_TOKEN = "<unk>"
 BOS_TOKEN = "<s>"
@@ -200,18 +203,3 @@ def _chat_template(directory: Path, config: Mapping[str, Any]) -> str | None:
         named = {entry.get("name"): entry.get("template") for entry in template}
         return named.get("default")
     return template
-
-
-def tokenizer_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
-    """The files that define a checkpoint's tokenization; the chat template file only if present."""
-    directory = Path(checkpoint_dir)
-    files = [directory / TOKENIZER_FILE, directory / CONFIG_FILE]
-    template_file = directory / CHAT_TEMPLATE_FILE
-    if template_file.is_file():
-        files.append(template_file)
-    return files
-
-
-def tokenizer_hash(checkpoint_dir: str | os.PathLike) -> str:
-    """sha256 over the content of a checkpoint's tokenizer files."""
-    return hash_files(tokenizer_files(checkpoint_dir), root=checkpoint_dir)

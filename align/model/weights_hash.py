@@ -158,3 +158,11 @@ def weights_fingerprint(checkpoint_dir: str | Path) -> dict[str, list[int]]:
         path.name: [path.stat().st_size, path.stat().st_mtime_ns]
         for path in sorted(checkpoint_layout(checkpoint_dir))
     }
+
+
+def read_safetensors_metadata(path: str | Path) -> dict[str, str]:
+    """The `__metadata__` of a safetensors file, read from its header alone."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    return header.get("__metadata__") or {}

@@ -9,9 +9,10 @@ accepted or rebuilt with the training path.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 ACCEPT = "accept"
 RECOMPUTE = "recompute"
@@ -19,6 +20,8 @@ RECOMPUTE = "recompute"
 
 def sample_rows(n: int, sample_pairs: int, seed: int) -> np.ndarray:
     """The pre-registered sample of pairs, sorted so batches follow shard order."""
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     return np.sort(rng.choice(n, size=min(n, sample_pairs), replace=False))
 
@@ -30,6 +33,8 @@ def margin_errors(
     ref_rejected: np.ndarray,
 ) -> np.ndarray:
     """Per-pair step-0 implicit reward margin (nats): zero when the paths agree exactly."""
+    import numpy as np
+
     return (policy_chosen.astype(np.float64) - ref_chosen) - (
         policy_rejected.astype(np.float64) - ref_rejected
     )
@@ -38,6 +43,8 @@ def margin_errors(
 def path_bias_figures(
     errors: np.ndarray, tolerance: float, cache_impl: str, training_impl: str
 ) -> dict[str, Any]:
+    import numpy as np
+
     abs_err = np.abs(errors)
     mean_abs = float(abs_err.mean())
     ratio = mean_abs / tolerance

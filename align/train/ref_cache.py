@@ -9,14 +9,14 @@ recomputes the key it expects and refuses any difference, naming the component.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-from safetensors import safe_open
-from safetensors.numpy import save_file
+if TYPE_CHECKING:
+    import numpy as np
 
-from align.data.shards import read_metadata, single_key_metadata
+from align.data.metadata import read_metadata, single_key_metadata
 from align.exit_codes import GateRefused
-from align.model.tokenizer import tokenizer_hash
+from align.model.tokenizer_hash import tokenizer_hash
 from align.model.weights_hash import weights_hash
 from align.receipts import atomic_path, hash_file
 
@@ -88,6 +88,9 @@ def write_ref_cache(
     rejected: np.ndarray,
     key: dict[str, str],
 ) -> None:
+    import numpy as np
+    from safetensors.numpy import save_file
+
     order = np.argsort(pair_ids, kind="stable")
     arrays = {
         "pair_id": np.ascontiguousarray(pair_ids[order], dtype=np.int64),
@@ -127,6 +130,9 @@ def load_ref_cache(
     path: str | Path, expected: dict[str, str], pair_ids: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Verify the key, then return (chosen, rejected) log-probs aligned to `pair_ids`."""
+    import numpy as np
+    from safetensors import safe_open
+
     check_key(path, expected)
     with safe_open(str(path), framework="numpy") as f:
         cached_ids = f.get_tensor("pair_id")

@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from align.config import ArmConfig
-from align.data.build import pinned_data_config
+from align.config import ArmConfig, pinned_data_config
 from align.exit_codes import GateRefused
-from align.model.tokenizer import tokenizer_hash
+from align.model.tokenizer_hash import tokenizer_hash
 from align.model.weights_hash import weights_fingerprint, weights_hash
 from align.paths import SPLITS, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, load_receipt, verify_hash
