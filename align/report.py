@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from align.eval.selection import NOT_RECORDED, arm_standing, tripwire_record
-from align.paths import RunPaths
+from align.paths import ArmPaths, RunPaths
 
 ARM_FIGURES = ("training", "tripwires", "probe")
+# The DPO stage trains its one pre-registered rerun in this directory under the arm's run dir.
+RERUN_DIR = "rerun"
 RUN_FIGURES = ("held_out", "paired")
 
 
@@ -63,16 +65,39 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 @dataclass
 class ArmRecord:
-    """What one arm's stages recorded; None where a receipt is absent."""
+    """What one arm's stages recorded; None where a receipt is absent.
+
+    `metrics` are the steps of the run that produced the arm's policy: the
+    pre-registered rerun when a tripwire fired, with the first run's steps kept
+    apart in `first_run_metrics`.
+    """
 
     arm: str
     result: dict[str, Any] | None
     metrics: list[dict[str, Any]]
     probe: dict[str, Any] | None
+    first_run_metrics: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def tripwire(self) -> dict[str, Any] | None:
         return tripwire_record(self.result) if self.result else None
+
+    @property
+    def rerun(self) -> bool:
+        return bool(self.tripwire and self.tripwire.get("rerun"))
+
+    @property
+    def first_run_alarms(self) -> list[dict[str, Any]]:
+        """Alarms of the run a rerun replaced (none without a rerun)."""
+        return self.tripwire.get("alarms", []) if self.rerun else []
+
+    @property
+    def final_run_alarms(self) -> list[dict[str, Any]]:
+        """Alarms of the run that produced the policy."""
+        if self.tripwire is None:
+            return []
+        key = "rerun_alarms" if self.rerun else "alarms"
+        return self.tripwire.get(key, [])
 
     @property
     def step_times(self) -> list[float] | None:
@@ -86,6 +111,14 @@ class ArmRecord:
 
     @property
     def beta(self) -> float | None:
+        """The beta of the policy's run: a rerun's response may have changed it."""
+        if self.result is None:
+            return None
+        final = self.result.get("figures", {}).get("final_config", {}).get("beta")
+        return final if final is not None else self.first_run_beta
+
+    @property
+    def first_run_beta(self) -> float | None:
         if self.result is None:
             return None
         return self.result.get("config", {}).get("dpo", {}).get("beta")
@@ -117,16 +150,22 @@ def gather(results_dir: str | Path, arms: Sequence[str] | None = None) -> RunSum
         selection=read_json_if_present(paths.selection),
     )
     for arm in arms or discover_arms(paths, manifest):
-        arm_paths = paths.arm(arm)
-        summary.arms.append(
-            ArmRecord(
-                arm=arm,
-                result=read_json_if_present(arm_paths.arm_result),
-                metrics=read_metrics(arm_paths.metrics),
-                probe=read_json_if_present(arm_paths.probe),
-            )
-        )
+        summary.arms.append(arm_record(paths.arm(arm)))
     return summary
+
+
+def arm_record(arm_paths: ArmPaths) -> ArmRecord:
+    result = read_json_if_present(arm_paths.arm_result)
+    record = ArmRecord(
+        arm=arm_paths.arm,
+        result=result,
+        metrics=read_metrics(arm_paths.metrics),
+        probe=read_json_if_present(arm_paths.probe),
+    )
+    if record.rerun:
+        record.first_run_metrics = record.metrics
+        record.metrics = read_metrics(arm_paths.run_dir / RERUN_DIR / arm_paths.metrics.name)
+    return record
 
 
 @dataclass
@@ -171,10 +210,11 @@ def tripwire_cell(record: ArmRecord) -> str:
     tripwire = record.tripwire
     if tripwire is None:
         return NOT_RECORDED
-    if tripwire.get("ended_by_tripwire"):
-        return f"ended by tripwire ({len(tripwire.get('alarms', []))} alarms)"
-    rerun = ", rerun" if tripwire.get("rerun") else ""
-    return f"{len(tripwire.get('alarms', []))} alarms{rerun}"
+    if not record.rerun:
+        return f"{len(record.final_run_alarms)} alarms"
+    first, again = len(record.first_run_alarms), len(record.final_run_alarms)
+    ended = "; ended by tripwire" if tripwire.get("ended_by_tripwire") else ""
+    return f"{first} alarms, rerun ({again} on rerun){ended}"
 
 
 def probe_cell(record: ArmRecord) -> str:
@@ -241,80 +281,109 @@ def gates_section(arms: Sequence[ArmRecord], selection: dict[str, Any] | None) -
 def alarms_section(arms: Sequence[ArmRecord]) -> Section:
     rows, notes = [], []
     for record in arms:
-        tripwire = record.tripwire
-        if tripwire is None:
+        if record.tripwire is None:
             notes.append(f"{record.arm}: tripwire signals {NOT_RECORDED}")
             continue
-        for alarm in tripwire.get("alarms", []):
-            rows.append(
+        runs = (
+            ("first run", record.first_run_alarms),
+            ("rerun" if record.rerun else "run", record.final_run_alarms),
+        )
+        for run, alarms in runs:
+            rows += [
                 [
                     record.arm,
-                    alarm["name"],
-                    str(alarm["step"]),
-                    f"{alarm['value']:.4g}",
-                    str(alarm.get("band")),
+                    run,
+                    a["name"],
+                    str(a["step"]),
+                    f"{a['value']:.4g}",
+                    str(a.get("band")),
                 ]
-            )
-        if not tripwire.get("alarms"):
+                for a in alarms
+            ]
+        if not record.first_run_alarms and not record.final_run_alarms:
             notes.append(f"{record.arm}: no tripwire alarm")
-    return Section("Tripwire alarms", ["arm", "signal", "step", "value", "band"], rows, notes)
+    return Section(
+        "Tripwire alarms", ["arm", "run", "signal", "step", "value", "band"], rows, notes
+    )
+
+
+def policy_order(figures: dict[str, Any]) -> list[str]:
+    """Policies in the order they were compared (arms, then SFT); receipts sort their keys."""
+    compared = [name for c in figures["comparisons"] for name in (c["a"], c["b"])]
+    return list(dict.fromkeys([*compared, *figures["policies"]]))
+
+
+def eval_set_note(eval_set: dict[str, Any]) -> str:
+    tokens = eval_set.get("response_tokens", {})
+    sources = ", ".join(f"{name} {n}" for name, n in eval_set["sources"].items())
+    return (
+        f"eval set {eval_set['name']}: {eval_set['pairs']} pairs from {sources} "
+        f"({eval_set['duplicates_removed']} duplicates removed); data responses average "
+        f"{tokens.get('chosen', float('nan')):.1f} chosen / "
+        f"{tokens.get('rejected', float('nan')):.1f} rejected tokens"
+    )
+
+
+def policy_row(name: str, p: dict[str, Any]) -> list[str]:
+    return [
+        name,
+        interval(p),
+        signed(p["mean_chosen_logp_change"], 2),
+        signed(p["mean_rejected_logp_change"], 2),
+        f"{p['generation']['mean_tokens']:.1f}",
+        f"{p['generation']['terminated_fraction']:.2f}",
+    ]
+
+
+def comparison_row(c: dict[str, Any]) -> list[str]:
+    return [
+        f"{c['a']} - {c['b']}",
+        f"{c['diff']:+.3f} [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}]",
+        "yes" if c["excludes_zero"] else "no",
+        str(c["mcnemar"]["a_only"]),
+        str(c["mcnemar"]["b_only"]),
+        f"{c['mcnemar']['p_value']:.4g}",
+    ]
 
 
 def paired_sections(selection: dict[str, Any] | None) -> list[Section]:
     if selection is None:
         return [Section("Paired evaluation", [], [], [f"selection.json: {NOT_RECORDED}"])]
     figures = selection["figures"]
-    eval_set = figures["eval_set"]
-    tokens = eval_set.get("response_tokens", {})
-    note = (
-        f"eval set {eval_set['name']}: {eval_set['pairs']} pairs from "
-        f"{', '.join(f'{k} {v}' for k, v in eval_set['sources'].items())} "
-        f"({eval_set['duplicates_removed']} duplicates removed); data responses average "
-        f"{tokens.get('chosen', float('nan')):.1f} chosen / "
-        f"{tokens.get('rejected', float('nan')):.1f} rejected tokens"
-    )
-    policy_rows = [
-        [
-            name,
-            interval(p),
-            signed(p["mean_chosen_logp_change"], 2),
-            signed(p["mean_rejected_logp_change"], 2),
-            f"{p['generation']['mean_tokens']:.1f}",
-            f"{p['generation']['terminated_fraction']:.2f}",
-            p["method"],
-        ]
-        for name, p in figures["policies"].items()
+    policies = figures["policies"]
+    names = policy_order(figures)
+    methods = {}
+    for name in names:
+        methods.setdefault(policies[name]["method"], []).append(name)
+    notes = [eval_set_note(figures["eval_set"])]
+    notes += [f"correct on a pair ({', '.join(who)}): {method}" for method, who in methods.items()]
+    policy_headers = [
+        "policy",
+        "accuracy [95% CI]",
+        "chosen logp vs SFT",
+        "rejected logp vs SFT",
+        "greedy tokens",
+        "terminated",
     ]
-    comparison_rows = [
-        [
-            f"{c['a']} - {c['b']}",
-            f"{c['diff']:+.3f} [{c['ci_low']:+.3f}, {c['ci_high']:+.3f}]",
-            "yes" if c["excludes_zero"] else "no",
-            str(c["mcnemar"]["a_only"]),
-            str(c["mcnemar"]["b_only"]),
-            f"{c['mcnemar']['p_value']:.4g}",
-        ]
-        for c in figures["comparisons"]
+    comparison_headers = [
+        "a - b",
+        "accuracy difference [CI]",
+        "excludes 0",
+        "a only",
+        "b only",
+        "McNemar p",
     ]
     return [
         Section(
             "Paired evaluation on the common held-out set",
-            [
-                "policy",
-                "accuracy [95% CI]",
-                "chosen logp vs SFT",
-                "rejected logp vs SFT",
-                "greedy tokens",
-                "terminated",
-                "correct when",
-            ],
-            policy_rows,
-            [note],
+            policy_headers,
+            [policy_row(name, policies[name]) for name in names],
+            notes,
         ),
         Section(
             "Paired comparisons (paired bootstrap interval, exact McNemar)",
-            ["a - b", "accuracy difference [CI]", "excludes 0", "a only", "b only", "McNemar p"],
-            comparison_rows,
+            comparison_headers,
+            [comparison_row(c) for c in figures["comparisons"]],
         ),
     ]
 

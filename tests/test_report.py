@@ -22,12 +22,12 @@ from PIL import Image
 from align import cli
 from align.eval.plots import FIGURE_PIXELS
 from align.paths import RunPaths
-from align.receipts import DESCOPED, PASSED, write_json_atomic
+from align.receipts import DESCOPED, FAILED, PASSED, write_json_atomic
 from align.report import ARM_FIGURES, RUN_FIGURES, ReportPaths, gather, render_text
 from align.report import selection_labels as labels_of
 
 REPO = Path(__file__).resolve().parents[1]
-ARMS = ("argilla", "steppairs", "ultra")
+ARMS = ("argilla", "steppairs", "ultra", "tripped")
 PIPELINE_ARMS = ("argilla", "steppairs")
 
 
@@ -72,15 +72,32 @@ GATES = [
     {"gate": "sft_gate", "status": PASSED, "ms": 0.2},
     {"gate": "manifest", "status": PASSED, "ms": 0.5},
 ]
-TRIPWIRE = {
-    "alarms": [{"name": "grad_norm", "step": 7, "value": 41.0, "band": [0.0, 20.0]}],
+
+
+def alarm(name: str, step: int, value: float) -> dict:
+    return {"name": name, "step": step, "value": value, "band": [0.0, 20.0]}
+
+
+def signal(steps: int, spike_at: int | None = None) -> list[list[float]]:
+    return [[s, 5.0 + (36.0 if s == spike_at else 0.0)] for s in range(steps)]
+
+
+# argilla: a tripwire fired on the first run, the pre-registered rerun passed.
+RERUN = {
+    "alarms": [alarm("grad_norm", 7, 41.0)],
     "rerun": True,
+    "rerun_alarms": [],
     "ended_by_tripwire": False,
-    "signals": {
-        "grad_norm": [[s, 5.0 + (36.0 if s == 7 else 0.0)] for s in range(12)],
-        "margin": [[s, 0.1 * s] for s in range(12)],
-    },
+    "signals": {"grad_norm": signal(12), "margin": [[s, 0.1 * s] for s in range(12)]},
+    "first_run_signals": {"grad_norm": signal(8, spike_at=7)},
     "bands": {"grad_norm": [0.0, 20.0], "margin": [None, 5.0]},
+}
+# tripped: it fired again on the rerun, which ended training.
+ENDED = {
+    **RERUN,
+    "rerun_alarms": [alarm("grad_norm", 3, 55.0)],
+    "ended_by_tripwire": True,
+    "signals": {"grad_norm": signal(4, spike_at=3)},
 }
 
 
@@ -140,49 +157,45 @@ def selection_receipt() -> dict:
     }
 
 
+def write_arm(paths: RunPaths, arm: str, status: str = PASSED, **extra) -> None:
+    result = {
+        "arm": arm,
+        "status": status,
+        "descoped": False,
+        "gates": GATES,
+        "config": {"dpo": {"beta": 0.1}},
+        "figures": {"held_out": held(0.5, 0.72, 0.8)},
+    }
+    write_json_atomic(paths.arm(arm).arm_result, {**result, **extra})
+
+
+def write_metrics(path: Path, steps: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in metrics_rows(steps, 0.1)))
+
+
 @pytest.fixture
 def results(tmp_path) -> Path:
-    """A results dir: argilla with tripwire and probe, steppairs with neither, ultra descoped."""
+    """argilla rerun after a tripwire (with a probe), steppairs without tripwire section or
+    probe, ultra descoped, tripped ended by a tripwire; and the selection."""
     paths = RunPaths.of(tmp_path / "results")
-    write_json_atomic(
-        paths.sft_gate,
-        {
-            "status": PASSED,
-            "checkpoint": "results/sft/checkpoint",
-            "figures": {"checks": {"held_nll": {"value": 0.22, "max": 1.5, "passed": True}}},
-        },
-    )
+    checks = {"held_nll": {"value": 0.22, "max": 1.5, "passed": True}}
+    gate = {"status": PASSED, "checkpoint": "results/sft/checkpoint", "figures": {"checks": checks}}
+    write_json_atomic(paths.sft_gate, gate)
     write_json_atomic(paths.manifest, {"arms": {arm: {} for arm in ARMS}})
-    for arm, extra in (("argilla", {"tripwire": TRIPWIRE}), ("steppairs", {})):
-        write_json_atomic(
-            paths.arm(arm).arm_result,
-            {
-                "arm": arm,
-                "status": PASSED,
-                "descoped": False,
-                "gates": GATES,
-                "config": {"dpo": {"beta": 0.1}},
-                "figures": {"held_out": held(0.5, 0.72, 0.8)},
-                **extra,
-            },
-        )
-        paths.arm(arm).run_dir.mkdir(parents=True)
-        paths.arm(arm).metrics.write_text(
-            "".join(json.dumps(row) + "\n" for row in metrics_rows(30, 0.1))
-        )
+    write_arm(paths, "argilla", tripwire=RERUN)
+    write_metrics(paths.arm("argilla").metrics, 8)
+    write_metrics(paths.arm("argilla").run_dir / "rerun" / "metrics.jsonl", 30)
     write_json_atomic(
         paths.arm("argilla").probe, {"figures": {"step_times": [1.1, 0.6, 0.62, 0.59]}}
     )
-    write_json_atomic(
-        paths.arm("ultra").arm_result,
-        {
-            "arm": "ultra",
-            "status": DESCOPED,
-            "descoped": True,
-            "reason": "kept 12 pairs",
-            "gates": GATES,
-        },
-    )
+    write_arm(paths, "steppairs")
+    write_metrics(paths.arm("steppairs").metrics, 30)
+    write_arm(paths, "tripped", FAILED, tripwire=ENDED, reason="tripwire fired again")
+    write_metrics(paths.arm("tripped").metrics, 8)
+    write_metrics(paths.arm("tripped").run_dir / "rerun" / "metrics.jsonl", 4)
+    descoped = {"arm": "ultra", "status": DESCOPED, "descoped": True, "reason": "kept 12 pairs"}
+    write_json_atomic(paths.arm("ultra").arm_result, {**descoped, "gates": GATES})
     write_json_atomic(paths.selection, selection_receipt())
     return paths.results
 
@@ -196,15 +209,26 @@ def section(text: str, title: str) -> list[str]:
 def test_the_summary_says_not_recorded_where_a_stage_recorded_nothing(results):
     text = render_text(gather(results))
     arms = {line.split()[0]: line for line in section(text, "Arms") if line.startswith(ARMS)}
-    assert "1 alarms, rerun" in arms["argilla"]
     assert "median 0.610 s/step (4 steps)" in arms["argilla"]
     assert arms["steppairs"].count("not recorded") == 2
     assert "descoped" in arms["ultra"] and "0.720 [0.630, 0.800]" in arms["steppairs"]
     assert "steppairs: tripwire signals not recorded" in text
-    assert re.search(r"argilla\s+grad_norm\s+7\s+41\s+\[0\.0, 20\.0\]", text)
     assert "selected: argilla (only_eligible_arm)" in text
     assert re.search(r"argilla - sft\s+\+0\.200 \[\+0\.120, \+0\.280\]\s+yes\s+60\s+12", text)
     assert re.search(r"ultra\s+manifest\s+PASSED\s+0\.50", text)
+
+
+def test_a_rerun_and_a_tripwire_ended_arm_are_told_apart(results):
+    text = render_text(gather(results))
+    arms = {line.split()[0]: line for line in section(text, "Arms") if line.startswith(ARMS)}
+    # The policy's run is the rerun: its 30 steps, not the first run's 8.
+    assert re.search(r"argilla\s+PASSED\s+eligible\s+30\s", arms["argilla"])
+    assert "1 alarms, rerun (0 on rerun)" in arms["argilla"]
+    assert re.search(r"tripped\s+FAILED\s+tripwire_ended\s+4\s", arms["tripped"])
+    assert "1 alarms, rerun (1 on rerun); ended by tripwire" in arms["tripped"]
+    alarms = section(text, "Tripwire alarms")
+    assert any(re.match(r"argilla\s+first run\s+grad_norm\s+7\s+41\s", line) for line in alarms)
+    assert any(re.match(r"tripped\s+rerun\s+grad_norm\s+3\s+55\s", line) for line in alarms)
 
 
 def test_without_a_selection_the_summary_says_so(results):
@@ -263,14 +287,15 @@ CHECK_SCRIPT = """
 window.addEventListener("load", async () => {
   const pause = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
   await pause(500);
-  const found = {front_page: document.querySelector("#app").innerText, images: {}};
+  const found = {front_page: document.querySelector("#app").textContent, images: {}};
   for (const [path, entry] of Object.entries(results)) {
     if (!entry.mime_type.startsWith("image/")) continue;
     app.setView({content: "img", contentPath: entry.data_uri, resultPath: path});
     await pause(200);
     const img = document.querySelector(`#app img[src="${entry.data_uri}"]`);
     if (img === null) { found.images[path] = {shown: false}; continue; }
-    await img.decode();
+    // Poll rather than img.decode(): under virtual time a decode promise never settles.
+    for (let i = 0; i < 100 && !(img.complete && img.naturalWidth > 0); i++) await pause(100);
     const canvas = document.createElement("canvas");
     canvas.width = img.naturalWidth; canvas.height = img.naturalHeight;
     const ctx = canvas.getContext("2d");
@@ -361,9 +386,9 @@ def test_the_report_renders_every_figure_and_the_selection_in_chromium(pipeline_
     if chromium is None:
         pytest.skip("chromium is not installed (.ci/run installs Debian's chromium)")
     page = tmp_path / "report_check.html"
-    page.write_text(
-        (pipeline_report / "report.html").read_text().replace("</body>", CHECK_SCRIPT + "</body>")
-    )
+    # The last </body> closes the page; earlier ones sit inside the report's scripts.
+    head, body_end, tail = (pipeline_report / "report.html").read_text().rpartition("</body>")
+    page.write_text(head + CHECK_SCRIPT + body_end + tail)
     run = subprocess.run(
         [
             chromium,

@@ -20,12 +20,20 @@ from matplotlib.figure import Figure
 
 from align.eval.selection import NOT_RECORDED
 from align.receipts import atomic_path
-from align.report import ArmRecord, ReportPaths, RunSummary, render_html
+from align.report import (
+    ArmRecord,
+    ReportPaths,
+    RunSummary,
+    policy_order,
+    render_html,
+    tripwire_cell,
+)
 
 FIGSIZE = (10.0, 6.0)
 DPI = 100
 FIGURE_PIXELS = (int(FIGSIZE[0] * DPI), int(FIGSIZE[1] * DPI))
 POLICY_COLOR, REFERENCE_COLOR, ALARM_COLOR = "tab:blue", "tab:gray", "tab:red"
+FIRST_RUN_COLOR = "tab:orange"
 
 
 def blank_figure() -> Figure:
@@ -77,28 +85,43 @@ def training_figure(record: ArmRecord) -> Figure:
     if not record.metrics or record.beta is None:
         return message_figure(title, not_measured(record, "training metrics"))
     fig, axes = new_figure(2, 2)
-    fig.suptitle(f"{title} ({len(record.metrics)} optimizer steps, beta {record.beta})")
-    steps, loss = series(record.metrics, "loss")
-    axes[0, 0].plot(steps, loss, color=POLICY_COLOR)
+    rerun = "; the rerun after a tripwire, first run dotted" if record.first_run_metrics else ""
+    fig.suptitle(f"{title} ({len(record.metrics)} optimizer steps, beta {record.beta}{rerun})")
+    if record.first_run_metrics:
+        plot_run(axes, record.first_run_metrics, record.first_run_beta, first=True)
+    plot_run(axes, record.metrics, record.beta, first=False)
     axes[0, 0].axhline(0.6931, color=REFERENCE_COLOR, ls="--", label="log 2 (policy = reference)")
     axes[0, 0].set(title="DPO loss", xlabel="step")
-    axes[0, 0].legend(fontsize=8)
-    steps, margins = series(record.metrics, "rewards/margins")
-    axes[0, 1].plot(steps, margins, color=POLICY_COLOR)
     axes[0, 1].axhline(0.0, color=REFERENCE_COLOR, ls="--")
     axes[0, 1].set(title="reward margin (chosen - rejected)", xlabel="step")
-    for ax, side in ((axes[1, 0], "chosen"), (axes[1, 1], "rejected")):
-        steps, policy = series(record.metrics, f"logps/{side}")
-        ax.plot(steps, policy, color=POLICY_COLOR, label="policy")
-        ax.plot(
-            steps,
-            reference_logps(record.metrics, side, record.beta),
-            color=REFERENCE_COLOR,
-            label="reference (SFT)",
-        )
-        ax.set(title=f"{side} response log-prob (batch mean)", xlabel="step")
+    axes[1, 0].set(title="chosen response log-prob (batch mean)", xlabel="step")
+    axes[1, 1].set(title="rejected response log-prob (batch mean)", xlabel="step")
+    for ax in (axes[0, 0], axes[1, 0], axes[1, 1]):
         ax.legend(fontsize=8)
     return fig
+
+
+def plot_run(axes, metrics: Sequence[dict[str, Any]], beta: float | None, first: bool) -> None:
+    """One run's curves: loss, margin, and the policy's log-probs beside the reference's.
+
+    A first run that a rerun replaced is dotted, and its reference is left out: the
+    reference is the same SFT policy in both runs.
+    """
+    color, style, suffix = (
+        (FIRST_RUN_COLOR, ":", " (first run)") if first else (POLICY_COLOR, "-", "")
+    )
+    axes[0, 0].plot(*series(metrics, "loss"), color=color, ls=style, label=f"loss{suffix}")
+    axes[0, 1].plot(*series(metrics, "rewards/margins"), color=color, ls=style)
+    for ax, side in ((axes[1, 0], "chosen"), (axes[1, 1], "rejected")):
+        steps, policy = series(metrics, f"logps/{side}")
+        ax.plot(steps, policy, color=color, ls=style, label=f"policy{suffix}")
+        if not first and beta is not None:
+            ax.plot(
+                steps,
+                reference_logps(metrics, side, beta),
+                color=REFERENCE_COLOR,
+                label="reference (SFT)",
+            )
 
 
 def band_span(ax, band: Sequence[float | None]) -> None:
@@ -113,41 +136,47 @@ def band_span(ax, band: Sequence[float | None]) -> None:
         )
 
 
+def mark_alarms(ax, alarms: Sequence[dict[str, Any]], label: str) -> None:
+    if alarms:
+        ax.scatter(
+            [a["step"] for a in alarms],
+            [a["value"] for a in alarms],
+            color=ALARM_COLOR,
+            marker="x",
+            s=60,
+            zorder=3,
+            label=label,
+        )
+
+
 def tripwire_figure(record: ArmRecord) -> Figure:
     title = f"{record.arm}: tripwire signals"
     tripwire = record.tripwire
     if tripwire is None:
         return message_figure(title, not_measured(record, "tripwire signals"))
-    signals = tripwire.get("signals", {})
-    if not signals:
-        return message_figure(
-            title,
-            f"tripwire section recorded no signals\n(alarms: {len(tripwire.get('alarms', []))})",
-        )
-    fig, grid = new_figure(len(signals), 1)
-    axes = list(grid[:, 0])
-    ended = "; training ended by tripwire" if tripwire.get("ended_by_tripwire") else ""
-    rerun = "; rerun" if tripwire.get("rerun") else ""
-    fig.suptitle(f"{title} ({len(tripwire.get('alarms', []))} alarms{rerun}{ended})")
-    for ax, (name, points) in zip(axes, signals.items(), strict=True):
-        ax.plot([p[0] for p in points], [p[1] for p in points], color=POLICY_COLOR)
+    final = tripwire.get("signals") or {}
+    first = tripwire.get("first_run_signals") or {}
+    names = list(dict.fromkeys([*final, *first]))
+    if not names:
+        return message_figure(title, f"no tripwire signal recorded\n({tripwire_cell(record)})")
+    fig, grid = new_figure(len(names), 1)
+    fig.suptitle(f"{title} ({tripwire_cell(record)})")
+    final_label = "rerun" if record.rerun else "run"
+    for ax, name in zip(grid[:, 0], names, strict=True):
+        if name in first:
+            ax.plot(
+                *zip(*first[name], strict=True), color=REFERENCE_COLOR, ls=":", label="first run"
+            )
+            mark_alarms(ax, [a for a in record.first_run_alarms if a["name"] == name], "alarm")
+        if name in final:
+            ax.plot(*zip(*final[name], strict=True), color=POLICY_COLOR, label=final_label)
+            alarms = [a for a in record.final_run_alarms if a["name"] == name]
+            mark_alarms(ax, alarms, f"alarm ({final_label})")
         band = tripwire.get("bands", {}).get(name)
         if band is not None:
             band_span(ax, band)
-        alarms = [a for a in tripwire.get("alarms", []) if a["name"] == name]
-        if alarms:
-            ax.scatter(
-                [a["step"] for a in alarms],
-                [a["value"] for a in alarms],
-                color=ALARM_COLOR,
-                marker="x",
-                s=60,
-                zorder=3,
-                label="alarm",
-            )
         ax.set(title=name, xlabel="step")
-        if band is not None or alarms:
-            ax.legend(fontsize=8)
+        ax.legend(fontsize=8)
     return fig
 
 
@@ -226,8 +255,9 @@ def paired_figure(summary: RunSummary) -> Figure:
         f"selected: {decision['selected'] or 'none'} ({decision['branch']}); "
         f"eval set {figures['eval_set']['name']}, n={figures['eval_set']['pairs']}"
     )
-    paired_accuracies(axes["accuracy"], figures["policies"])
-    generation_lengths(axes["length"], figures["policies"], figures["eval_set"])
+    policies = {name: figures["policies"][name] for name in policy_order(figures)}
+    paired_accuracies(axes["accuracy"], policies)
+    generation_lengths(axes["length"], policies, figures["eval_set"])
     paired_differences(axes["difference"], figures["comparisons"])
     return fig
 
