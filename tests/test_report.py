@@ -8,15 +8,14 @@ import base64
 import html
 import io
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import run_snakemake
 from PIL import Image
 
 from align import cli
@@ -318,33 +317,13 @@ window.addEventListener("load", async () => {
 """
 
 
-def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(workdir),
-            *args,
-        ],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-
-
 @pytest.fixture(scope="module")
-def pipeline_report(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("report_workflow")
-    run = snakemake(work, "--cores", "2", "all")
+def pipeline_report(finished_workflow) -> Path:
+    """The session's finished default run, taken on to `all` (figures) and the HTML report."""
+    work = finished_workflow
+    run = run_snakemake(work, "--cores", "2", "all")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    run = snakemake(work, "--report", "report.html")
+    run = run_snakemake(work, "--report", "report.html")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     return work
 

@@ -561,6 +561,7 @@ def test_a_policy_changed_after_its_arm_result_is_refused_before_torch(fabricate
     work = tmp_path / "run"
     shutil.copytree(fabricated_run, work)
     (work / "results" / "selection.json").unlink(missing_ok=True)
+    (work / "results" / "selection" / "eval_pairs.safetensors").unlink(missing_ok=True)
     weights = work / "results" / "alpha" / "policy" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
