@@ -584,3 +584,18 @@ def test_a_named_eval_shard_must_be_a_pair_shard(fabricated_run, tmp_path):
         sel.eval_set_sources(str(not_a_shard), manifest, ARMS)
     with pytest.raises(GateRefused, match="names no file"):
         sel.eval_set_sources(str(tmp_path / "missing.safetensors"), manifest, ARMS)
+
+
+def test_a_passed_arm_result_without_a_policy_is_refused(tmp_path):
+    paths = RunPaths.of(tmp_path / "results")
+    result = {"schema_version": 1, "stage": "dpo", "status": PASSED, "arm": "alpha"}
+    write_json_atomic(paths.arm("alpha").arm_result, result)
+    with pytest.raises(GateRefused, match="a PASSED arm result names no policy"):
+        sel.arm_result_gate(paths, "alpha", "results/sft/checkpoint")
+    write_json_atomic(paths.arm("alpha").arm_result, {**result, "arm": "beta"})
+    with pytest.raises(GateRefused, match="arm expected 'alpha', found 'beta'"):
+        sel.arm_result_gate(paths, "alpha", "results/sft/checkpoint")
+    trained_elsewhere = {**result, "policy": "results/alpha/policy", "checkpoint": "other/sft"}
+    write_json_atomic(paths.arm("alpha").arm_result, trained_elsewhere)
+    with pytest.raises(GateRefused, match="trained from 'other/sft'"):
+        sel.arm_result_gate(paths, "alpha", "results/sft/checkpoint")

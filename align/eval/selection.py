@@ -116,6 +116,8 @@ def arm_result_gate(paths: RunPaths, arm: str, sft_checkpoint: str) -> dict[str,
             "arm_result", f"{path}: arm expected {arm!r}, found {result.get('arm')!r}"
         )
     if "policy" not in result:
+        if result.get("status") == PASSED and not result.get("descoped"):
+            raise GateRefused("arm_result", f"{path}: a PASSED arm result names no policy")
         return result
     if result.get("checkpoint") != sft_checkpoint:
         raise GateRefused(
