@@ -315,7 +315,6 @@ def pinned_data_config(data: DataConfig) -> dict[str, Any]:
     return {k: v for k, v in to_dict(data).items() if k not in UNPINNED_DATA_KEYS}
 
 
-
 def load_config(path: str | Path, cls: type[T], overrides: list[str] | None = None) -> Loaded[T]:
     """Load `path` into `cls`, refuse unknown keys and wrong types, then apply overrides."""
     path = Path(path)
@@ -406,7 +405,9 @@ def resolve_key(cls: type, key: str, where: str) -> tuple[str, Any]:
     shallowest = [k for k in matches if k.count(".") == depth]
     if len(shallowest) == 1:
         return shallowest[0], leaves[shallowest[0]]
-    raise ConfigError(f"{where}: override key {key!r} is ambiguous: {', '.join(sorted(shallowest))}")
+    raise ConfigError(
+        f"{where}: override key {key!r} is ambiguous: {', '.join(sorted(shallowest))}"
+    )
 
 
 def parse_override(token: str, where: str) -> tuple[str, str]:

@@ -66,7 +66,11 @@ def test_sft_config_loads():
     assert cfg.data.seq_len == 96
     assert cfg.gate.max_held_nll == 1.5
     assert cfg.gate.min_terminated_fraction == 0.75
-    assert cfg.batch.world_size * cfg.batch.micro_batch * cfg.batch.grad_accum == cfg.batch.global_batch == 32
+    assert (
+        cfg.batch.world_size * cfg.batch.micro_batch * cfg.batch.grad_accum
+        == cfg.batch.global_batch
+        == 32
+    )
 
 
 def test_tiny_config_loads():

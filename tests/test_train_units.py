@@ -200,7 +200,9 @@ def test_dpo_loss_and_rewards_match_the_formula():
 
 def test_dpo_refuses_an_unknown_loss():
     with pytest.raises(ValueError, match="'simpo_typo'"):
-        dpo_losses(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), 0.1, "simpo_typo")
+        dpo_losses(
+            torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), 0.1, "simpo_typo"
+        )
 
 
 # --- sequence log-probs on a tiny model --------------------------------------------------

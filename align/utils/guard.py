@@ -50,7 +50,9 @@ def acquire_heavy_lock(lock_path: str | Path, mode: str, stage: str) -> None:
 def assert_expected_host(expected: str) -> None:
     """The strict host check: refuse to run anywhere but the named host (empty: any host)."""
     if expected and socket.gethostname() != expected:
-        raise PreflightRefused(f"run.expected_host is {expected!r}, this host is {socket.gethostname()!r}")
+        raise PreflightRefused(
+            f"run.expected_host is {expected!r}, this host is {socket.gethostname()!r}"
+        )
 
 
 def assert_paths_off_root(*paths: str | Path) -> None:

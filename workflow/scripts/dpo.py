@@ -28,8 +28,16 @@ def main() -> None:
         print(f"align {stage.name}: gates for arm {cfg.arm}\n{report.table()}", file=sys.stderr)
     if ctx.descoped:
         if is_main_process():
-            stage.write(out, stage.receipt(loaded, DESCOPED, descoped=True, reason=ctx.entry["reason"], **common))
-            print(f"align {stage.name}: arm {cfg.arm} DESCOPED: {ctx.entry['reason']}", file=sys.stderr)
+            stage.write(
+                out,
+                stage.receipt(
+                    loaded, DESCOPED, descoped=True, reason=ctx.entry["reason"], **common
+                ),
+            )
+            print(
+                f"align {stage.name}: arm {cfg.arm} DESCOPED: {ctx.entry['reason']}",
+                file=sys.stderr,
+            )
         return
     if "gates-only" in args.flags:
         return
@@ -49,9 +57,14 @@ def write_probe(loaded, ctx: GateContext, stage: Stage, out, common: dict) -> No
     figures, info = run_probe(loaded.cfg, ctx)
     b = loaded.cfg.batch
     if info.is_main:
-        topology = {"world_size": info.world_size, "micro_batch": b.micro_batch, "grad_accum": b.grad_accum}
-        receipt = stage.receipt(loaded, PASSED, figures=figures, topology=topology, projection=ctx.projection,
-                                **common)
+        topology = {
+            "world_size": info.world_size,
+            "micro_batch": b.micro_batch,
+            "grad_accum": b.grad_accum,
+        }
+        receipt = stage.receipt(
+            loaded, PASSED, figures=figures, topology=topology, projection=ctx.projection, **common
+        )
         stage.write(out, receipt)
         print(
             f"align probe: arm {loaded.cfg.arm} median step {figures['median_step_s']:.3f} s, "
@@ -72,24 +85,40 @@ def write_arm_result(loaded, ctx: GateContext, stage: Stage, out, common: dict) 
         arm = ctx.arm
         caches = {split: str(path) for split, (path, _) in ctx.caches.items()}
         receipt = stage.receipt(
-            loaded, FAILED if ended else PASSED, descoped=False,
-            inputs={ctx.checkpoint: ctx.checkpoint_weights, **{p: hash_file(p) for p in caches.values()}},
+            loaded,
+            FAILED if ended else PASSED,
+            descoped=False,
+            inputs={
+                ctx.checkpoint: ctx.checkpoint_weights,
+                **{p: hash_file(p) for p in caches.values()},
+            },
             outputs={str(arm.policy_dir): weights_hash(arm.policy_dir)},
-            figures=figures, tripwire=tripwire, checkpoint=ctx.checkpoint, caches=caches,
-            policy=str(arm.policy_dir), path_bias=ctx.path_bias, projection=ctx.projection, **common,
+            figures=figures,
+            tripwire=tripwire,
+            checkpoint=ctx.checkpoint,
+            caches=caches,
+            policy=str(arm.policy_dir),
+            path_bias=ctx.path_bias,
+            projection=ctx.projection,
+            **common,
         )
         stage.write(out, receipt)
         held = figures["held_out"]
         print(
             f"align dpo: arm {loaded.cfg.arm} held-out preference accuracy sft {held['sft']['accuracy']:.3f} -> "
             f"policy {held['policy']['accuracy']:.3f} [{held['policy']['ci_low']:.3f}, {held['policy']['ci_high']:.3f}]"
-            + (f"; rerun with {tripwire['response']} after {tripwire['alarms']}" if tripwire["rerun"] else ""),
+            + (
+                f"; rerun with {tripwire['response']} after {tripwire['alarms']}"
+                if tripwire["rerun"]
+                else ""
+            ),
             file=sys.stderr,
         )
     if ended:
         raise TripwireFired(
             f"arm {loaded.cfg.arm}: tripwire fired again after the pre-registered rerun: {tripwire['rerun_alarms']}"
         )
+
 
 if __name__ == "__main__":
     run_with_exit_codes(main, "dpo")

@@ -23,13 +23,21 @@ def build_caches(loaded, checkpoint: str, entry: dict, arm: ArmPaths, stage: Sta
     jobs = []
     for split in SPLITS:
         shard = entry["shards"][split]["path"]
-        key = expected_key(checkpoint, shard, cfg.data.seq_len, cfg.data.truncation, cfg.ref.dtype, forward_impl)
+        key = expected_key(
+            checkpoint, shard, cfg.data.seq_len, cfg.data.truncation, cfg.ref.dtype, forward_impl
+        )
         jobs.append((shard, arm.ref_cache(forward_impl, split), key))
-    figures, info = precompute_ref_caches(checkpoint, jobs, cfg.ref, cfg.run, arm.ref_dir(forward_impl))
+    figures, info = precompute_ref_caches(
+        checkpoint, jobs, cfg.ref, cfg.run, arm.ref_dir(forward_impl)
+    )
     if info.is_main:
         receipt = stage.receipt(
-            loaded, PASSED, inputs={checkpoint: jobs[0][2]["checkpoint_weights"]},
-            outputs={str(out): hash_file(out) for _, out, _ in jobs}, figures=figures, forward_impl=forward_impl,
+            loaded,
+            PASSED,
+            inputs={checkpoint: jobs[0][2]["checkpoint_weights"]},
+            outputs={str(out): hash_file(out) for _, out, _ in jobs},
+            figures=figures,
+            forward_impl=forward_impl,
         )
         stage.write(arm.ref_receipt(forward_impl), receipt)
 
@@ -41,13 +49,24 @@ def measure_path_bias(loaded, checkpoint: str, entry: dict, arm: ArmPaths, stage
     cfg = loaded.cfg
     cache_impl = forward_impl_name(cfg.ref.attn_implementation, cfg.ref.dtype, cfg.ref.batch_size)
     shard = entry["shards"]["train"]["path"]
-    key = expected_key(checkpoint, shard, cfg.data.seq_len, cfg.data.truncation, cfg.ref.dtype, cache_impl)
-    figures, info = run_path_bias(cfg, checkpoint, shard, arm.ref_cache(cache_impl, "train"), key, arm.run_dir)
+    key = expected_key(
+        checkpoint, shard, cfg.data.seq_len, cfg.data.truncation, cfg.ref.dtype, cache_impl
+    )
+    figures, info = run_path_bias(
+        cfg, checkpoint, shard, arm.ref_cache(cache_impl, "train"), key, arm.run_dir
+    )
     if info.is_main:
         print(f"align path_bias: arm {cfg.arm}\n{table(figures)}", file=sys.stderr)
         receipt = stage.receipt(
-            loaded, PASSED, inputs={str(arm.ref_cache(cache_impl, "train")): hash_file(arm.ref_cache(cache_impl, "train"))},
-            figures=figures, checkpoint=checkpoint,
+            loaded,
+            PASSED,
+            inputs={
+                str(arm.ref_cache(cache_impl, "train")): hash_file(
+                    arm.ref_cache(cache_impl, "train")
+                )
+            },
+            figures=figures,
+            checkpoint=checkpoint,
         )
         stage.write(arm.path_bias, receipt)
 

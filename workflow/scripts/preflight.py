@@ -24,7 +24,9 @@ def main() -> None:
     report = run_gates(ctx, through="preflight")
     print(f"align preflight: arm {cfg.arm}\n{report.table()}", file=sys.stderr)
     figures = ctx.projection or {"descoped": True}
-    stage.write(ctx.arm.preflight, stage.receipt(loaded, PASSED, figures=figures, gates=report.rows))
+    stage.write(
+        ctx.arm.preflight, stage.receipt(loaded, PASSED, figures=figures, gates=report.rows)
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,10 @@ def main() -> None:
     if info.is_main:
         outputs = {str(paths.sft_checkpoint): weights_hash(paths.sft_checkpoint)}
         inputs = {str(cfg.run.base_model): weights_hash(cfg.run.base_model)}
-        stage.write(paths.sft_receipt, stage.receipt(loaded, PASSED, inputs=inputs, outputs=outputs, figures=figures))
+        stage.write(
+            paths.sft_receipt,
+            stage.receipt(loaded, PASSED, inputs=inputs, outputs=outputs, figures=figures),
+        )
     destroy_distributed()
 
 
