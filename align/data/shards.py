@@ -77,10 +77,6 @@ def read_shard(path: str | Path) -> dict[str, np.ndarray]:
     return load_file(str(path))
 
 
-def response_token_count(arrays: dict[str, np.ndarray], side: str) -> int:
-    return int((arrays[f"{side}_len"] - arrays["prompt_len"]).sum())
-
-
 class GrowingArray:
     """A 1-D numpy buffer that doubles its capacity when full."""
 
