@@ -1,7 +1,9 @@
-"""Batches from token shards as torch tensors, and the per-epoch order of rows.
+"""Batches from memory-mapped token shards as torch tensors.
 
-`PairShard.collate` puts chosen rows first and rejected rows second in one batch,
+`collate_preference` puts chosen rows first and rejected rows second in one batch,
 so one forward serves both; sequences are cropped to the batch's longest row.
+`preference_dataset`, `collate_preference` and `make_preference_sampler` are the
+entry points for reading a pair shard outside the trainer.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from align.data.sampler import TokenBudgetSampler
 from align.data.shards import read_shard
 
 
@@ -44,8 +47,19 @@ def _batch(
     )
 
 
+def collate_preference(arrays: dict[str, np.ndarray], rows: np.ndarray) -> TokenBatch:
+    """Chosen rows [0, b) then rejected rows [b, 2b) of the pairs at `rows`."""
+    rows = np.asarray(rows)
+    width = arrays["chosen_ids"].shape[1]
+    chosen, rejected = arrays["chosen_ids"][rows], arrays["rejected_ids"][rows]
+    ids = np.concatenate([chosen, rejected]).reshape(-1, width)
+    lengths = np.concatenate([arrays["chosen_len"][rows], arrays["rejected_len"][rows]])
+    prompt = np.concatenate([arrays["prompt_len"][rows], arrays["prompt_len"][rows]])
+    return _batch(ids, lengths, prompt, rows)
+
+
 class PairShard:
-    """A preference shard; rows are addressed by index, pairs identified by `pair_ids`."""
+    """A memory-mapped preference shard; rows addressed by index, pairs by `pair_ids`."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -55,14 +69,39 @@ class PairShard:
     def __len__(self) -> int:
         return len(self.pair_ids)
 
+    @property
+    def pair_widths(self) -> np.ndarray:
+        """Each pair's padded width in a batch: its longer sequence, prompt included."""
+        return np.maximum(self.arrays["chosen_len"], self.arrays["rejected_len"])
+
     def collate(self, rows: np.ndarray) -> TokenBatch:
-        """Chosen rows [0, b) then rejected rows [b, 2b) of the same pairs."""
-        a = self.arrays
-        width = a["chosen_ids"].shape[1]
-        ids = np.concatenate([a["chosen_ids"][rows], a["rejected_ids"][rows]]).reshape(-1, width)
-        lengths = np.concatenate([a["chosen_len"][rows], a["rejected_len"][rows]])
-        prompt = np.concatenate([a["prompt_len"][rows], a["prompt_len"][rows]])
-        return _batch(ids, lengths, prompt, rows)
+        return collate_preference(self.arrays, rows)
+
+
+def preference_dataset(path: str | Path) -> PairShard:
+    """Open a pair shard written by the build stage, memory-mapped."""
+    return PairShard(path)
+
+
+def make_preference_sampler(
+    shard: PairShard,
+    *,
+    max_tokens: int,
+    max_rows: int | None = None,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+) -> TokenBudgetSampler:
+    """Token-budget batches of `shard` for this rank; `set_epoch` reshuffles."""
+    return TokenBudgetSampler(
+        shard.pair_widths,
+        max_tokens=max_tokens,
+        max_rows=max_rows,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        pair_ids=shard.pair_ids,
+    )
 
 
 class SftShard:

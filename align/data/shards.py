@@ -20,16 +20,18 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from align.data.metadata import read_metadata, single_key_metadata  # noqa: F401  (re-exported)
 from align.data.tokenize import TokenizedPair
+from align.model.weights_hash import read_safetensors_header
 from align.receipts import atomic_path
 
 PAIR_FORMAT = "align-pairs-v1"
 SFT_FORMAT = "align-sft-v1"
 # safetensors names and orders tensors by dtype (wider integer first), then by name.
 _DTYPE_TAGS = {np.dtype(np.int64): "I64", np.dtype(np.int32): "I32"}
+_TAG_DTYPES = {tag: dtype.newbyteorder("<") for dtype, tag in _DTYPE_TAGS.items()}
 _HEADER_ALIGN = 8
 WRITE_BLOCK_ROWS = 4096
 
@@ -74,7 +76,22 @@ def write_shard(
 
 
 def read_shard(path: str | Path) -> dict[str, np.ndarray]:
-    return load_file(str(path))
+    """Every tensor of a shard as a read-only view of one memory map of the file.
+
+    Rows are paged in from disk when indexed, so a loader holds only what it batches.
+    """
+    path = Path(path)
+    locations = read_safetensors_header(path)
+    unknown = {name: loc.dtype for name, loc in locations.items() if loc.dtype not in _TAG_DTYPES}
+    if unknown:
+        raise ValueError(
+            f"{path}: token shards hold {sorted(_TAG_DTYPES)} tensors, found dtypes {unknown}"
+        )
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    return {
+        name: data[loc.begin : loc.end].view(_TAG_DTYPES[loc.dtype]).reshape(loc.shape)
+        for name, loc in locations.items()
+    }
 
 
 class GrowingArray:
