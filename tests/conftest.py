@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,25 +13,33 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_snakemake(workdir: Path, *args: str, timeout: int = 1800) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+def run_snakemake(
+    workdir: Path,
+    *args: str,
+    timeout: int = 1800,
+    env: dict[str, str] | None = None,
+    path_first: tuple[Path, ...] = (),
+) -> subprocess.CompletedProcess:
+    """This checkout's workflow in `workdir`; `path_first` directories precede the venv on PATH.
+
+    Snakemake gets SIGTERM at `timeout` (and SIGKILL 20 s later), so it can cancel the
+    jobs it submitted before it goes.
+    """
+    search = os.pathsep.join([*map(str, path_first), str(Path(sys.executable).parent)])
+    env = {**os.environ, **(env or {}), "PATH": f"{search}{os.pathsep}{os.environ['PATH']}"}
+    command = ["timeout", "-k", "20", str(timeout), sys.executable, "-m", "snakemake"]
+    command += ["-s", str(REPO / "Snakefile"), "--directory", str(workdir), *args]
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(workdir),
-            *args,
-        ],
-        cwd=workdir,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        command, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout + 60
     )
+
+
+def dry_run_rules(workdir: Path, *args: str) -> list[str]:
+    """The rules a dry run of `args` lists, in first-appearance order."""
+    run = run_snakemake(workdir, "--dry-run", *args, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    found = re.findall(r"(?m)^(?:local)?(?:rule|checkpoint) (\w+):$", run.stdout + run.stderr)
+    return list(dict.fromkeys(found))
 
 
 @pytest.fixture(scope="session")

@@ -9,16 +9,14 @@ built here: a stand-in `apptainer` on PATH records its arguments and runs the co
 
 from __future__ import annotations
 
-import os
 import re
 import stat
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import run_snakemake
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
@@ -118,21 +116,7 @@ def test_the_image_is_built_on_cuda_and_tests_itself():
 
 
 def test_every_rule_that_runs_a_command_names_a_container(tmp_path):
-    lint = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(tmp_path),
-            "--lint",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    lint = run_snakemake(tmp_path, "--lint", timeout=300)
     out = lint.stdout + lint.stderr
     assert "Specify a conda environment or container" not in out, out[-3000:]
 
@@ -167,36 +151,18 @@ def test_a_job_under_the_profile_runs_in_the_image_with_its_binds(tmp_path):
     apptainer.write_text(APPTAINER)
     apptainer.chmod(apptainer.stat().st_mode | stat.S_IXUSR)
     calls = tmp_path / "calls.log"
-    env = {
-        **os.environ,
-        "PATH": os.pathsep.join(
-            [str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"]]
-        ),
-        "APPTAINER_CALLS": str(calls),
-        "PWD": str(work),
-    }
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(work),
-            "--workflow-profile",
-            str(PROFILE.parent),
-            "--executor",
-            "local",
-            "--cores",
-            "1",
-            "resources/tiny/receipt.json",
-        ],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
+    run = run_snakemake(
+        work,
+        "--workflow-profile",
+        str(PROFILE.parent),
+        "--executor",
+        "local",
+        "--cores",
+        "1",
+        "resources/tiny/receipt.json",
         timeout=600,
+        env={"APPTAINER_CALLS": str(calls), "PWD": str(work)},
+        path_first=(bin_dir,),
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (call,) = calls.read_text().splitlines()

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import dry_run_rules, run_snakemake
 
 from align.paths import RunPaths
 
@@ -133,19 +134,8 @@ def reduced_config(work: Path, **overrides) -> Path:
 
 
 def snakemake_on_slurm(work: Path, config: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    command = [
-        "timeout",
-        "-k",
-        "20",
-        str(RUN_TIMEOUT_S),
-        sys.executable,
-        "-m",
-        "snakemake",
-        "-s",
-        str(REPO / "Snakefile"),
-        "--directory",
-        str(work),
+    return run_snakemake(
+        work,
         "--configfile",
         str(config),
         "--executor",
@@ -161,9 +151,7 @@ def snakemake_on_slurm(work: Path, config: Path, *args: str) -> subprocess.Compl
         "1",
         "--slurm-no-account",
         *args,
-    ]
-    return subprocess.run(
-        command, cwd=work, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S + 60
+        timeout=RUN_TIMEOUT_S,
     )
 
 
@@ -229,30 +217,6 @@ CHAIN = (
     "preflight",
     "probe",
 )
-
-
-def dry_run_rules(work: Path, target: str) -> list[str]:
-    """The rules a dry run lists for `target`, in first-appearance order."""
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(work),
-            "--dry-run",
-            target,
-        ],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    found = re.findall(r"(?m)^(?:local)?(?:rule|checkpoint) (\w+):$", run.stdout + run.stderr)
-    return list(dict.fromkeys(found))
 
 
 def test_the_gates_target_is_the_chain_through_the_probe_and_trains_nothing(tmp_path):
