@@ -84,6 +84,25 @@ def _tile(base, rows, cols, stride_row, stride_col):
 
 
 @triton.jit
+def _load_rows(ptrs, offs, limit, MASKED: tl.constexpr):
+    """A tile whose rows `offs` at or past `limit` load as zeros when MASKED."""
+    if MASKED:  # noqa: SIM108  (a constexpr branch: only the taken load is compiled)
+        tile = tl.load(ptrs, mask=(offs < limit)[:, None], other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def _visible_keys(offs_m, offs_n, seq_len, CAUSAL: tl.constexpr):
+    """[queries, keys] mask: real keys, and under CAUSAL none after the query."""
+    allowed = (offs_n < seq_len)[None, :]
+    if CAUSAL:
+        allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
+    return allowed
+
+
+@triton.jit
 def _forward_blocks(
     acc,
     row_sum,
@@ -108,21 +127,11 @@ def _forward_blocks(
 ):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_ptrs = _tile(k_base, offs_n, offs_d, stride_kt, stride_kd)
-        v_ptrs = _tile(v_base, offs_n, offs_d, stride_vt, stride_vd)
-        if MASKED:
-            key_real = offs_n < seq_len
-            k = tl.load(k_ptrs, mask=key_real[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=key_real[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        k = _load_rows(_tile(k_base, offs_n, offs_d, stride_kt, stride_kd), offs_n, seq_len, MASKED)
+        v = _load_rows(_tile(v_base, offs_n, offs_d, stride_vt, stride_vd), offs_n, seq_len, MASKED)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if MASKED:
-            allowed = key_real[None, :]
-            if CAUSAL:
-                allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
-            scores = tl.where(allowed, scores, float("-inf"))
+            scores = tl.where(_visible_keys(offs_m, offs_n, seq_len, CAUSAL), scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         p = tl.math.exp2(scores - new_max[:, None])
         rescale = tl.math.exp2(row_max - new_max)
@@ -194,7 +203,7 @@ def _attention_forward_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_real = offs_m < seq_len
     q_ptrs = _tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qt, stride_qd)
-    q = tl.load(q_ptrs, mask=row_real[:, None], other=0.0)
+    q = _load_rows(q_ptrs, offs_m, seq_len, True)
     k_base = K + b * stride_kb + kv_h * stride_kh
     v_base = V + b * stride_vb + kv_h * stride_vh
 
@@ -247,15 +256,17 @@ def _row_dot_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_in = offs_m < T
-    o = tl.load(
+    o = _load_rows(
         _tile(OUT + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_ot, stride_od),
-        mask=row_in[:, None],
-        other=0.0,
+        offs_m,
+        T,
+        True,
     )
-    do = tl.load(
+    do = _load_rows(
         _tile(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_dot, stride_dod),
-        mask=row_in[:, None],
-        other=0.0,
+        offs_m,
+        T,
+        True,
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + batch_head.to(tl.int64) * T + offs_m, delta, mask=row_in)
@@ -288,17 +299,15 @@ def _dkdv_blocks(
 ):
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q_ptrs = _tile(q_base, offs_m, offs_d, stride_qt, stride_qd)
-        do_ptrs = _tile(do_base, offs_m, offs_d, stride_dot, stride_dod)
+        q = _load_rows(_tile(q_base, offs_m, offs_d, stride_qt, stride_qd), offs_m, seq_len, MASKED)
+        do = _load_rows(
+            _tile(do_base, offs_m, offs_d, stride_dot, stride_dod), offs_m, seq_len, MASKED
+        )
         if MASKED:
             row_real = offs_m < seq_len
-            q = tl.load(q_ptrs, mask=row_real[:, None], other=0.0)
-            do = tl.load(do_ptrs, mask=row_real[:, None], other=0.0)
             lse = tl.load(lse_base + offs_m, mask=row_real, other=0.0)
             delta = tl.load(delta_base + offs_m, mask=row_real, other=0.0)
         else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
         # Transposed [keys, queries] tiles, so dK and dV accumulate without transposes.
@@ -363,16 +372,17 @@ def _attention_dkdv_kernel(
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    key_real = offs_n < seq_len
-    k = tl.load(
+    k = _load_rows(
         _tile(K + b * stride_kb + kv_h * stride_kh, offs_n, offs_d, stride_kt, stride_kd),
-        mask=key_real[:, None],
-        other=0.0,
+        offs_n,
+        seq_len,
+        True,
     )
-    v = tl.load(
+    v = _load_rows(
         _tile(V + b * stride_vb + kv_h * stride_vh, offs_n, offs_d, stride_vt, stride_vd),
-        mask=key_real[:, None],
-        other=0.0,
+        offs_n,
+        seq_len,
+        True,
     )
 
     # Query blocks [lo, diag_end) straddle the diagonal, [diag_end, full_end) need no mask,
@@ -449,22 +459,12 @@ def _dq_blocks(
 ):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k_ptrs = _tile(k_base, offs_n, offs_d, stride_kt, stride_kd)
-        v_ptrs = _tile(v_base, offs_n, offs_d, stride_vt, stride_vd)
-        if MASKED:
-            key_real = offs_n < seq_len
-            k = tl.load(k_ptrs, mask=key_real[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=key_real[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        k = _load_rows(_tile(k_base, offs_n, offs_d, stride_kt, stride_kd), offs_n, seq_len, MASKED)
+        v = _load_rows(_tile(v_base, offs_n, offs_d, stride_vt, stride_vd), offs_n, seq_len, MASKED)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         p = tl.math.exp2(scores - lse[:, None])
         if MASKED:
-            allowed = key_real[None, :]
-            if CAUSAL:
-                allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
-            p = tl.where(allowed, p, 0.0)
+            p = tl.where(_visible_keys(offs_m, offs_n, seq_len, CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
@@ -519,15 +519,17 @@ def _attention_dq_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_real = offs_m < seq_len
     # Padding rows load as zeros, which keeps their (discarded) arithmetic finite.
-    q = tl.load(
+    q = _load_rows(
         _tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qt, stride_qd),
-        mask=row_real[:, None],
-        other=0.0,
+        offs_m,
+        seq_len,
+        True,
     )
-    do = tl.load(
+    do = _load_rows(
         _tile(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_dot, stride_dod),
-        mask=row_real[:, None],
-        other=0.0,
+        offs_m,
+        seq_len,
+        True,
     )
     row_offsets = batch_head.to(tl.int64) * T + offs_m
     lse = tl.load(LSE + row_offsets, mask=row_real, other=0.0)
