@@ -65,11 +65,17 @@ class ModelConfig:
 
 @dataclass
 class RefConfig:
-    """The forward path that builds the reference log-prob cache."""
+    """The forward path that builds the reference log-prob cache, and how the work is cut.
+
+    The precompute writes one resumable part per slice of `slice_pairs` pairs, rounded
+    up to whole batches so that slicing never changes a batch; the cache's bytes do not
+    depend on it.
+    """
 
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
     batch_size: int = 16
+    slice_pairs: int = 128
 
 
 @dataclass
@@ -86,6 +92,8 @@ class DpoConfig:
 
 @dataclass
 class OptimizerConfig:
+    """`name` is 'adamw' (torch, float32 moments) or 'adamw8bit' (bitsandbytes, 8-bit moments)."""
+
     name: str = "adamw"
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -508,6 +516,7 @@ POSITIVE_INTS = (
     "epochs",
     "threads",
     "batch_size",
+    "slice_pairs",
 )
 
 

@@ -1,5 +1,9 @@
 """Optimizers named by the config and the warmup + cosine schedule.
 
+`adamw` is torch's AdamW; `adamw8bit` is bitsandbytes' blockwise 8-bit AdamW
+(align.train.adamw8bit), refused where bitsandbytes cannot run it on the
+parameters' device.
+
 The schedule's horizon is computed from the corpus (epochs x steps per epoch), and
 `assert_horizon_consistent` refuses one that disagrees, so the learning rate never
 ends at half an epoch.
@@ -15,7 +19,7 @@ from align.config import BatchConfig, OptimizerConfig
 from align.data.sampler import steps_per_epoch
 from align.exit_codes import ConfigError
 
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = ("adamw", "adamw8bit")
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -24,6 +28,13 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim
             f"optimizer.name {cfg.name!r} cannot be honoured here (available: {', '.join(OPTIMIZERS)})"
         )
     params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.name == "adamw8bit":
+        # Imported here: bitsandbytes is an optional extra that only this optimizer needs.
+        from align.train.adamw8bit import build_adamw8bit
+
+        return build_adamw8bit(
+            params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
     return torch.optim.AdamW(
         params,
         lr=cfg.lr,

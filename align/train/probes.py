@@ -18,7 +18,9 @@ from align.exit_codes import PreflightRefused
 from align.model.hf_config import MistralConfig, load_hf_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2}  # two moments per parameter
+# Two moments per parameter: float32 for torch's AdamW; for bitsandbytes' 8-bit AdamW one
+# byte each plus one float32 absmax scale per 256-value block of each.
+OPTIMIZER_STATE_BYTES = {"adamw": 8.0, "adamw8bit": 2.0 + 2 * 4 / 256}
 MIB = 2**20
 
 

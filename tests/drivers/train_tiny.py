@@ -39,7 +39,7 @@ def main() -> None:
     info = start_session(run_dir, cfg.run, cfg.batch)
     shard = PairShard(ns.workdir / "pairs.safetensors")
     ref = np.load(ns.workdir / "ref.npz")
-    model = load_policy(ns.workdir / "base", cfg.model, info)
+    model = load_policy(ns.workdir / "base", cfg.model, info, cfg.trainer)
     adapter = DpoAdapter(
         dpo_objective_of(cfg.dpo),
         torch.from_numpy(ref["chosen"]),

@@ -1,0 +1,373 @@
+"""align's Trainer against TRL's DPOTrainer: step time, tokens/s and peak RSS on CPU.
+
+Three configurations train the same random Mistral (hidden 256, 6 layers, ~4.9M
+parameters, float32, sdpa) on the same pre-tokenized pairs for the same steps, batch,
+learning rate, AdamW betas and gradient clip, all in float32 and without activation
+checkpointing unless --activation-checkpointing turns it on for both (TRL's own defaults,
+bf16 autocast and gradient checkpointing, would compare different arithmetic):
+
+  align        align's Trainer (FSDP2 on one gloo rank), reference log-probs precomputed
+  trl_precomp  TRL DPOTrainer, precompute_ref_log_probs=True
+  trl_live     TRL DPOTrainer with a live reference model (a second copy of the weights)
+
+The pairs are the embedded synthetic arithmetic questions (align.data.synthetic,
+argilla format) with each prompt packed with earlier solved questions to about
+SEQ_LEN tokens, tokenized once with a byte-level BPE trained on them; TRL gets the
+same token ids (its own tokenization step is skipped), so both score the same
+completion tokens. Each side precomputes its reference log-probs in its own process
+before training, as its trainer does.
+
+How it is measured: every (configuration, round) runs in a fresh subprocess with
+the same thread count; peak RSS is that child's ru_maxrss (os.wait4). Step time is the
+interval between consecutive optimizer-step ends, so it covers everything the loop
+does (data, forward, backward, clip, optimizer, logging), in wall time and in the
+child's CPU time (steadier when other jobs share the cores); the median over a run's
+intervals is its figure. Rounds alternate the order of the configurations, and the
+tables report the median over rounds. Tokens/s is the mean real (unpadded) tokens of
+a step over the median wall step time; every run covers the same pairs exactly once.
+
+Run: .venv/bin/python benchmarks/trainer_vs_trl.py  [--steps 12] [--rounds 3] [--threads 1]
+     [--activation-checkpointing] [--json FILE]
+(needs the 'bench' extra; about five minutes on two cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+SEQ_LEN = 256
+PAIRS_PER_STEP = 4
+LR = 1e-5
+BETAS = (0.9, 0.95)
+BETA = 0.1
+GRAD_CLIP = 1.0
+VOCAB = 384
+MODEL = {
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": SEQ_LEN,
+}
+CONFIGS = ("align", "trl_precomp", "trl_live")
+TARGETS = {"median_step_s": 0.6, "peak_rss_mb": 0.8}  # align / trl_precomp, at most
+RATIOS = ("median_step_s", "median_step_cpu_s", "peak_rss_mb")
+
+
+# --- shared inputs ---------------------------------------------------------------------
+
+
+def prepare(work: Path, n_pairs: int) -> float:
+    """Data, tokenizer, base checkpoint and the pair shard; returns mean real tokens per step."""
+    from tokenizers import Tokenizer
+
+    from align.data.shards import PAIR_FORMAT, pair_arrays, write_shard
+    from align.data.synthetic import default_texts, write_default_data
+    from align.data.tokenize import TokenizedPair
+    from align.model.tiny import make_tiny_model
+    from align.model.tokenizer import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, train_bpe_tokenizer
+
+    files = write_default_data(
+        work / "data", seed=0, n_argilla=5 * n_pairs + 20, n_steppairs=1, n_sft=1
+    )
+    train_bpe_tokenizer(default_texts(list(files.values())), VOCAB, work / "tokenizer")
+    make_tiny_model(work / "base", work / "tokenizer", seed=0, **MODEL)
+    tokenizer = Tokenizer.from_file(str(work / "tokenizer" / "tokenizer.json"))
+    bos, eos, pad = (tokenizer.token_to_id(t) for t in (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN))
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    rows = [json.loads(line) for line in files["argilla"].read_text().splitlines()]
+    pairs = []
+    for index in range(n_pairs):
+        row = rows[index]
+        chosen, rejected = [*encode(row["chosen"]), eos], [*encode(row["rejected"]), eos]
+        question = encode(f"Question: {row['input']}\nAnswer: ")
+        room = SEQ_LEN - 1 - len(question) - max(len(chosen), len(rejected))
+        shots: list[int] = []
+        for earlier in rows[n_pairs + 3 * index :]:  # solved examples, never a benchmark pair
+            shot = encode(f"Question: {earlier['input']}\nAnswer: {earlier['chosen']}\n\n")
+            if len(shots) + len(shot) > room:
+                break
+            shots += shot
+        pairs.append(TokenizedPair([bos, *shots, *question], chosen, rejected, truncated=False))
+    write_shard(work / "pairs.safetensors", pair_arrays(range(n_pairs), pairs, pad), PAIR_FORMAT)
+    (work / "pairs.json").write_text(
+        json.dumps(
+            [
+                {"prompt_ids": p.prompt, "chosen_ids": p.chosen, "rejected_ids": p.rejected}
+                for p in pairs
+            ]
+        )
+    )
+    tokens = sum(2 * len(p.prompt) + len(p.chosen) + len(p.rejected) for p in pairs)
+    return tokens / (n_pairs / PAIRS_PER_STEP)
+
+
+# --- the children ----------------------------------------------------------------------
+
+
+def _clocks() -> tuple[float, float]:
+    """Wall time and this process's CPU time: the second is steadier when jobs share cores."""
+    return time.perf_counter(), time.process_time()
+
+
+def run_align(work: Path, steps: int, activation_checkpointing: bool) -> list[tuple[float, float]]:
+    import torch
+
+    from align.config import BatchConfig, ModelConfig, OptimizerConfig, RunConfig, TrainerConfig
+    from align.data.loader import PairShard
+    from align.losses.dpo import DPOObjective
+    from align.train.adapters import DpoAdapter
+    from align.train.logprobs import sequence_logps
+    from align.train.session import build_trainer, load_policy, start_session
+
+    batch = BatchConfig(
+        micro_batch=PAIRS_PER_STEP, global_batch=PAIRS_PER_STEP, grad_accum=1, epochs=1
+    )
+    run_dir = work / "align-run"
+    trainer_cfg = TrainerConfig(activation_checkpointing=activation_checkpointing)
+    info = start_session(run_dir, RunConfig(), batch)
+    model = load_policy(
+        work / "base", ModelConfig(dtype="float32", attn_implementation="sdpa"), info, trainer_cfg
+    )
+    shard = PairShard(work / "pairs.safetensors")
+    with torch.no_grad():  # the reference cache: the policy at step 0
+        model.eval()
+        logps = [
+            sequence_logps(model, shard.collate(rows))
+            for rows in np.array_split(np.arange(len(shard)), len(shard) // PAIRS_PER_STEP)
+        ]
+    chosen = torch.cat([lp[: len(lp) // 2] for lp in logps])
+    rejected = torch.cat([lp[len(lp) // 2 :] for lp in logps])
+    trainer = build_trainer(
+        model,
+        shard,
+        DpoAdapter(DPOObjective(beta=BETA), chosen, rejected),
+        optim=OptimizerConfig(lr=LR, betas=list(BETAS), grad_clip=GRAD_CLIP),
+        batch=batch,
+        trainer=trainer_cfg,
+        run_dir=run_dir,
+        stage="dpo",
+        info=info,
+    )
+    ends: list[tuple[float, float]] = []
+    trainer.fit(on_step=lambda metrics: ends.append(_clocks()))
+    if len(ends) != steps:
+        raise RuntimeError(f"align ran {len(ends)} steps, expected {steps}")
+    return ends
+
+
+def run_trl(
+    work: Path, steps: int, live_reference: bool, activation_checkpointing: bool
+) -> list[tuple[float, float]]:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    class PretokenizedDPOTrainer(DPOTrainer):
+        """Takes prompt_ids / chosen_ids / rejected_ids as they are: the same ids align trains on."""
+
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            return dataset
+
+    ends: list[tuple[float, float]] = []
+
+    class StepEnds(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            ends.append(_clocks())
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(
+            work / "base", dtype=torch.float32, attn_implementation="sdpa"
+        )
+
+    args = DPOConfig(
+        output_dir=str(work / "trl-run"),
+        per_device_train_batch_size=PAIRS_PER_STEP,
+        gradient_accumulation_steps=1,
+        max_steps=steps,
+        learning_rate=LR,
+        lr_scheduler_type="cosine",
+        optim="adamw_torch",
+        adam_beta1=BETAS[0],
+        adam_beta2=BETAS[1],
+        weight_decay=0.0,
+        max_grad_norm=GRAD_CLIP,
+        beta=BETA,
+        loss_type=["sigmoid"],
+        max_length=None,
+        # TRL's own defaults are bf16 autocast and gradient checkpointing; align trains in
+        # float32, so both run the same arithmetic, checkpointed only when asked on both.
+        bf16=False,
+        gradient_checkpointing=activation_checkpointing,
+        precompute_ref_log_probs=not live_reference,
+        precompute_ref_batch_size=PAIRS_PER_STEP,
+        logging_steps=steps,  # one log line: TRL's logging costs it nothing per step
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    trainer = PretokenizedDPOTrainer(
+        model=load(),
+        ref_model=load() if live_reference else None,
+        args=args,
+        train_dataset=Dataset.from_list(json.loads((work / "pairs.json").read_text())),
+        processing_class=PreTrainedTokenizerFast.from_pretrained(work / "base"),
+        callbacks=[StepEnds()],
+    )
+    trainer.train()
+    if len(ends) != steps:
+        raise RuntimeError(f"TRL ran {len(ends)} steps, expected {steps}")
+    return ends
+
+
+def child(config: str, work: Path, args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    checkpointing = args.activation_checkpointing
+    if config == "align":
+        ends = run_align(work, args.steps, checkpointing)
+    else:
+        ends = run_trl(work, args.steps, config == "trl_live", checkpointing)
+    wall, cpu = np.diff(np.array(ends), axis=0).T
+    print(json.dumps({"wall": wall.tolist(), "cpu": cpu.tolist()}))
+
+
+# --- the parent ------------------------------------------------------------------------
+
+
+def measure(config: str, work: Path, args: argparse.Namespace) -> dict:
+    """One configuration in a fresh process: its step intervals and its own peak RSS."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{config}-", dir=work))
+    for name in ("pairs.safetensors", "pairs.json", "base"):
+        (run_dir / name).symlink_to(work / name)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(run_dir / "hf-datasets"),
+        "TQDM_DISABLE": "1",
+    }
+    cmd = [sys.executable, __file__, "--child", config, "--work", str(run_dir)]
+    cmd += ["--steps", str(args.steps), "--threads", str(args.threads)]
+    if args.activation_checkpointing:
+        cmd.append("--activation-checkpointing")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{config} exited {proc.returncode}:\n{err.read()[-4000:]}")
+        intervals = json.loads(out.read().strip().splitlines()[-1])
+    return {
+        "median_step_s": statistics.median(intervals["wall"]),
+        "median_step_cpu_s": statistics.median(intervals["cpu"]),
+        "peak_rss_mb": usage.ru_maxrss / 1024,
+    }
+
+
+def report(
+    results: dict[str, list[dict]], tokens_per_step: float, args: argparse.Namespace
+) -> dict:
+    summary = {}
+    for config, runs in results.items():
+        step = statistics.median(r["median_step_s"] for r in runs)
+        summary[config] = {
+            "median_step_s": step,
+            "median_step_cpu_s": statistics.median(r["median_step_cpu_s"] for r in runs),
+            "tokens_per_s": tokens_per_step / step,
+            "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
+            "rounds": [
+                [
+                    round(r["median_step_s"], 3),
+                    round(r["median_step_cpu_s"], 3),
+                    round(r["peak_rss_mb"]),
+                ]
+                for r in runs
+            ],
+        }
+    checkpointing = "on" if args.activation_checkpointing else "off"
+    print(
+        f"\n{args.steps} steps, {args.threads} thread(s), activation checkpointing {checkpointing}, "
+        f"{tokens_per_step:.0f} real tokens per step"
+    )
+    print(
+        f"{'config':<12} {'step s':>7} {'cpu s':>7} {'tokens/s':>9} {'peak RSS MiB':>13}"
+        "  rounds [step s, cpu s, MiB]"
+    )
+    for config, row in summary.items():
+        print(
+            f"{config:<12} {row['median_step_s']:7.3f} {row['median_step_cpu_s']:7.3f} "
+            f"{row['tokens_per_s']:9.0f} {row['peak_rss_mb']:13.0f}  {row['rounds']}"
+        )
+    align = summary["align"]
+    for other in ("trl_precomp", "trl_live"):
+        ratios = {key: align[key] / summary[other][key] for key in RATIOS}
+        print(
+            f"align / {other:<12} step time {ratios['median_step_s']:.2f}x "
+            f"(cpu {ratios['median_step_cpu_s']:.2f}x)   peak RSS {ratios['peak_rss_mb']:.2f}x"
+        )
+    target = summary["trl_precomp"]
+    for key, limit in TARGETS.items():
+        ratio = align[key] / target[key]
+        print(
+            f"target align / trl_precomp {key} <= {limit}x: {ratio:.2f}x {'met' if ratio <= limit else 'MISSED'}"
+        )
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="checkpoint every layer, on both"
+    )
+    parser.add_argument("--json", type=Path, help="also write the summary here")
+    parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps must be at least 3 (the median needs step intervals)")
+    if args.child:
+        child(args.child, args.work, args)
+        return
+    with tempfile.TemporaryDirectory(prefix="trainer-vs-trl-") as tmp:
+        work = Path(tmp)
+        tokens_per_step = prepare(work, args.steps * PAIRS_PER_STEP)
+        results: dict[str, list[dict]] = {config: [] for config in CONFIGS}
+        for round_index in range(args.rounds):
+            # Alternate the order, so drift in the machine's load spreads over all three.
+            order = CONFIGS if round_index % 2 == 0 else CONFIGS[::-1]
+            for config in order:
+                results[config].append(measure(config, work, args))
+                print(f"round {round_index + 1} {config}: {results[config][-1]}", file=sys.stderr)
+        summary = report(results, tokens_per_step, args)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
