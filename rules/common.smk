@@ -142,14 +142,9 @@ def device_count(device, processes):
 
 
 def arm_gpus(wildcards):
-    """The arm's torchrun ranks (path_bias, probe, dpo), each on its own GPU."""
+    """The arm's torchrun ranks (ref_cache, path_bias, probe, dpo), each on its own GPU."""
     cfg = arm_cfg(wildcards.arm)
     return device_count(cfg.run.device, cfg.batch.world_size)
-
-
-def arm_single_gpu(wildcards):
-    """ref_cache runs one process on the arm's device."""
-    return device_count(arm_cfg(wildcards.arm).run.device, 1)
 
 
 def sft_gpus(wildcards):

@@ -1,5 +1,9 @@
 rule ref_cache:
-    """Reference log-probs of every pair through one forward path, keyed by six components."""
+    """Reference log-probs of every pair through one forward path, keyed by six components.
+
+    The arm's ranks score disjoint slices; finished slices persist next to the outputs
+    (<cache>.parts/), so a rerun after a kill computes only what is missing.
+    """
     input:
         script=SCRIPTS / "precompute_ref_logprobs.py",
         gate=PATHS.sft_gate,
@@ -18,15 +22,17 @@ rule ref_cache:
         CONTAINER
     threads: config["threads"]
     resources:
-        **placement(arm_single_gpu),
+        **placement(arm_gpus),
         mem_mb=default_mem_mb,
         runtime=default_runtime,
     params:
         run=RUN_OVERRIDES,
         ref=ref_overrides,
+        world_size=arm_world_size,
+        rank_threads=arm_rank_threads,
     shell:
-        "python {input.script} {input.config} {params.run} --run.threads={threads}"
-        " {params.ref} > {log} 2>&1"
+        "python -m align.launch --nproc={params.world_size} {input.script} {input.config}"
+        " {params.run} --run.threads={params.rank_threads} {params.ref} > {log} 2>&1"
 
 
 checkpoint path_bias:

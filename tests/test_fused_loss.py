@@ -15,9 +15,11 @@ from align.data.loader import TokenBatch
 from align.losses.dpo import LOSSES, DPOObjective, dpo_objective
 from align.losses.fused import (
     IGNORE_INDEX,
+    ChunkedLabelLogps,
     fused_dpo,
     fused_nll,
     fused_sequence_logps,
+    fused_token_logps,
     shift_labels,
 )
 from align.losses.metrics import add_metric_sums, metric_sums, reduce_metrics
@@ -220,9 +222,11 @@ def test_sigmoid_loss_is_exactly_log2_when_policy_equals_reference():
     assert torch.equal(result.margins, torch.zeros(pairs))
 
 
-def test_forward_saves_no_logits():
-    case = Case(rows=4, length=15, hidden=8, vocab=300, chunk=4, ignored=0.0)
-    hidden, weight, labels = make_inputs(case, torch.float32)
+HELD_CASE = Case(rows=4, length=15, hidden=8, vocab=300, chunk=7, ignored=0.0)
+
+
+def test_forward_saves_no_logits_and_holds_one_full_chunk_until_backward():
+    hidden, weight, labels = make_inputs(HELD_CASE, torch.float32)
     saved = []
 
     def pack(tensor):
@@ -230,10 +234,29 @@ def test_forward_saves_no_logits():
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        fused_sequence_logps(hidden, weight, labels, case.chunk)[0].sum().backward()
+        logps = ChunkedLabelLogps.apply(
+            hidden.reshape(-1, HELD_CASE.hidden), weight, labels.reshape(-1), HELD_CASE.chunk
+        )
+    node = logps.grad_fn
 
-    positions = case.rows * case.length
-    assert sum(saved) <= hidden.numel() + weight.numel() + 3 * positions
+    positions = HELD_CASE.rows * HELD_CASE.length
+    assert positions % HELD_CASE.chunk != 0  # the short chunk runs first, the held one is full
+    assert sum(saved) <= hidden.numel() + weight.numel() + 4 * positions
+    assert node.last_exp.shape == (HELD_CASE.chunk, HELD_CASE.vocab)
+    logps.sum().backward()
+    assert node.last_exp is None
+
+
+def test_held_chunk_and_its_recomputation_give_identical_gradients():
+    hidden, weight, labels = make_inputs(HELD_CASE, torch.float32)
+    upstream = torch.randn(labels.shape, generator=torch.Generator().manual_seed(3))
+    loss = (fused_token_logps(hidden, weight, labels, HELD_CASE.chunk) * upstream).sum()
+
+    held = torch.autograd.grad(loss, [hidden, weight], retain_graph=True)
+    recomputed = torch.autograd.grad(loss, [hidden, weight])
+
+    for a, b in zip(held, recomputed, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_frozen_weight_and_no_grad_calls():

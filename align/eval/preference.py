@@ -28,6 +28,28 @@ def rank_blocks(n: int, batch_size: int, rank: int, world_size: int) -> list[np.
 
 
 @torch.no_grad()
+def score_blocks(
+    model,
+    shard: PairShard,
+    blocks: list[np.ndarray | None],
+    pad_rows: np.ndarray,
+    desc: str = "score",
+    show: bool = True,
+) -> list[np.ndarray | None]:
+    """Summed log-probs [chosen..., rejected...] (float64) of each block of shard rows.
+
+    A None block is a forward of `pad_rows` whose result is dropped: it keeps this rank
+    in step with ranks that have a block to score.
+    """
+    model.eval()
+    out: list[np.ndarray | None] = []
+    for block in tqdm(blocks, desc=desc, mininterval=5, disable=not show):
+        rows = block if block is not None else pad_rows
+        logps = sequence_logps(model, shard.collate(rows)).double().cpu().numpy()
+        out.append(logps if block is not None else None)
+    return out
+
+
 def score_pairs(
     model,
     shard: PairShard,
@@ -37,14 +59,19 @@ def score_pairs(
     rows: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(chosen, rejected) summed log-probs of `rows` of `shard` (default all), in that order."""
-    model.eval()
     selected = np.arange(len(shard)) if rows is None else np.asarray(rows)
     n = len(selected)
     out = np.zeros(2 * n, dtype=np.float64)
     blocks = rank_blocks(n, batch_size, info.rank, info.world_size)
-    for block in tqdm(blocks, desc=desc, mininterval=5, disable=not info.is_main):
-        positions = block if block is not None else np.arange(min(batch_size, n))
-        logps = sequence_logps(model, shard.collate(selected[positions])).double().cpu().numpy()
+    scored = score_blocks(
+        model,
+        shard,
+        [selected[b] if b is not None else None for b in blocks],
+        selected[: min(batch_size, n)],
+        desc,
+        info.is_main,
+    )
+    for block, logps in zip(blocks, scored, strict=True):
         if block is not None:
             out[block] = logps[: len(block)]
             out[n + block] = logps[len(block) :]

@@ -1,10 +1,14 @@
 """Label log-probs through the lm_head without materializing [B, T, V] logits.
 
 `ChunkedLabelLogps` projects hidden states onto the vocabulary a chunk of scored
-positions at a time, keeping only each position's log-normalizer; backward recomputes
-one chunk's logits at a time. Peak extra memory is O(chunk_size x V) whatever T is.
-Arithmetic runs in float32 (float64 for float64 inputs); gradients come back in the
-inputs' dtypes. The DPO, SFT and sequence-log-prob entry points build on it.
+positions at a time, keeping each position's softmax normalizer and, while a graph
+holds it, the last chunk's exponentiated logits. Backward consumes that chunk first
+and recomputes the others' logits one chunk at a time: forward+backward costs four
+[chunk, H] x [H, V] matmuls per chunk (logits, their recomputation, d hidden,
+d weight) and three for the held one, against three for full logits, while peak extra
+memory stays O(chunk_size x V) whatever T is. Arithmetic runs in float32 (float64 for
+float64 inputs); gradients come back in the inputs' dtypes. The DPO, SFT and
+sequence-log-prob entry points build on it.
 """
 
 from __future__ import annotations
@@ -44,7 +48,15 @@ def _check_targets(targets: torch.Tensor, vocab_size: int) -> None:
 
 
 class ChunkedLabelLogps(torch.autograd.Function):
-    """hidden [M, H], weight [V, H], labels [M] -> log p(label) [M], 0 where ignored."""
+    """hidden [M, H], weight [V, H], labels [M] -> log p(label) [M], 0 where ignored.
+
+    Forward saves each scored position's row max and sum of exp(logits - row max),
+    and holds the last chunk's exp(logits - row max), which the first backward consumes
+    in place instead of recomputing that chunk's logits. That tensor lives on ctx rather
+    than in save_for_backward so that backward can drop it once consumed; a retained
+    graph's next backward recomputes it, bit for bit. Without a graph (no_grad, or no
+    input needing grad) ctx, and the held chunk with it, is dropped when forward returns.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size):
@@ -52,15 +64,18 @@ class ChunkedLabelLogps(torch.autograd.Function):
         targets = labels.index_select(0, positions).long()
         _check_targets(targets, weight.shape[0])
         with torch.autocast(hidden.device.type, enabled=False):
-            token_logps, log_norms = _forward_chunks(hidden, weight, positions, targets, chunk_size)
+            token_logps, row_max, exp_sums, ctx.last_exp = _forward_chunks(
+                hidden, weight, positions, targets, chunk_size
+            )
         ctx.chunk_size = chunk_size
-        ctx.save_for_backward(hidden, weight, positions, targets, log_norms)
+        ctx.save_for_backward(hidden, weight, positions, targets, row_max, exp_sums)
         return token_logps
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_token_logps):
-        hidden, weight, positions, targets, log_norms = ctx.saved_tensors
+        hidden, weight, positions, targets, row_max, exp_sums = ctx.saved_tensors
+        last_exp, ctx.last_exp = ctx.last_exp, None
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         with torch.autocast(hidden.device.type, enabled=False):
             grad_hidden, grad_weight = _backward_chunks(
@@ -68,7 +83,7 @@ class ChunkedLabelLogps(torch.autograd.Function):
                 weight,
                 positions,
                 targets,
-                log_norms,
+                (row_max, exp_sums, last_exp),
                 grad_token_logps,
                 ctx.chunk_size,
                 need_hidden,
@@ -83,19 +98,24 @@ def _forward_chunks(
     positions: torch.Tensor,
     targets: torch.Tensor,
     chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(target) at every row of hidden, log-normalizer at each scored position)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(log p(target) at every row of hidden; row max and sum of exp(logits - row max)
+    at each scored position; the last chunk's exp(logits - row max), None if no chunk)."""
     compute = _compute_dtype(hidden, weight)
     weight_c = weight.to(compute)
     token_logps = torch.zeros(hidden.shape[0], dtype=compute, device=hidden.device)
-    log_norms = torch.empty(positions.shape[0], dtype=compute, device=hidden.device)
-    buffer = _logits_buffer(positions, weight, chunk_size, compute)
-    for chunk in _chunks(positions, chunk_size):
+    row_max = torch.empty(positions.shape[0], dtype=compute, device=hidden.device)
+    exp_sums = torch.empty_like(row_max)
+    chunks = _chunks(positions.shape[0], chunk_size)
+    buffer = _logits_buffer(chunks, weight, compute)
+    for chunk in chunks:
         _, logits = _chunk_logits(hidden, weight_c, positions[chunk], buffer)
         label_logits = logits.gather(1, targets[chunk, None]).squeeze(1)
-        log_norms[chunk] = _logsumexp_destroying(logits)
-        token_logps[positions[chunk]] = label_logits - log_norms[chunk]
-    return token_logps, log_norms
+        row_max[chunk] = logits.amax(1)
+        exp_sums[chunk] = _exp_shifted_(logits, row_max[chunk]).sum(1)
+        token_logps[positions[chunk]] = label_logits - row_max[chunk] - exp_sums[chunk].log()
+    last_exp = logits if chunks else None
+    return token_logps, row_max, exp_sums, last_exp
 
 
 def _backward_chunks(
@@ -103,58 +123,84 @@ def _backward_chunks(
     weight: torch.Tensor,
     positions: torch.Tensor,
     targets: torch.Tensor,
-    log_norms: torch.Tensor,
+    normalizers: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     grad_token_logps: torch.Tensor,
     chunk_size: int,
     need_hidden: bool,
     need_weight: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Gradients of sum(grad_token_logps x token log-probs) w.r.t. hidden and weight."""
-    compute = log_norms.dtype
+    """Gradients of sum(grad_token_logps x token log-probs) w.r.t. hidden and weight.
+
+    `normalizers` are forward's row max, exp sums and held last chunk. Chunks run last
+    to first, so the held chunk comes first and its buffer then takes the others' logits.
+    """
+    row_max, exp_sums, last_exp = normalizers
+    compute = row_max.dtype
     weight_c = weight.to(compute)
     grad_scale = grad_token_logps.index_select(0, positions).to(compute)
     grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-    grad_weight = torch.zeros_like(weight_c) if need_weight else None
-    buffer = _logits_buffer(positions, weight, chunk_size, compute)
-    for chunk in _chunks(positions, chunk_size):
-        rows, logits = _chunk_logits(hidden, weight_c, positions[chunk], buffer)
-        grad_logits = _label_logp_grad_(logits, log_norms[chunk], targets[chunk], grad_scale[chunk])
+    grad_weight = None
+    chunks = _chunks(positions.shape[0], chunk_size)
+    buffer = last_exp if last_exp is not None else _logits_buffer(chunks, weight, compute)
+    for index, chunk in enumerate(reversed(chunks)):
+        if index == 0 and last_exp is not None:
+            rows, shifted_exp = hidden.index_select(0, positions[chunk]).to(compute), last_exp
+        else:
+            rows, logits = _chunk_logits(hidden, weight_c, positions[chunk], buffer)
+            shifted_exp = _exp_shifted_(logits, row_max[chunk])
+        grad_logits = _label_logp_grad_(
+            shifted_exp, exp_sums[chunk], targets[chunk], grad_scale[chunk]
+        )
         if need_hidden:
             grad_rows = (grad_logits @ weight_c).to(hidden.dtype)
             grad_hidden.index_copy_(0, positions[chunk], grad_rows)
         if need_weight:
-            grad_weight.addmm_(grad_logits.T, rows)
-    if need_weight:
-        grad_weight = grad_weight.to(weight.dtype)
-    return grad_hidden, grad_weight
+            grad_weight = _add_outer_(grad_weight, grad_logits, rows)
+    if not need_weight:
+        return grad_hidden, None
+    if grad_weight is None:  # no scored position
+        return grad_hidden, torch.zeros_like(weight)
+    return grad_hidden, grad_weight.to(weight.dtype)
 
 
-def _chunks(positions: torch.Tensor, chunk_size: int) -> list[slice]:
-    return [slice(s, s + chunk_size) for s in range(0, positions.shape[0], chunk_size)]
+def _chunks(count: int, chunk_size: int) -> list[slice]:
+    """Slices over `count` positions, the short remainder first so that the last is full."""
+    if not count:
+        return []
+    first = count % chunk_size or chunk_size
+    return [slice(0, first)] + [slice(s, s + chunk_size) for s in range(first, count, chunk_size)]
 
 
-def _logits_buffer(
-    positions: torch.Tensor, weight: torch.Tensor, chunk_size: int, dtype: torch.dtype
-) -> torch.Tensor:
+def _logits_buffer(chunks: list[slice], weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # One buffer for every chunk: allocators that return large blocks to the OS would
     # otherwise fault in fresh pages per chunk.
-    rows = min(chunk_size, positions.shape[0])
+    rows = max((chunk.stop - chunk.start for chunk in chunks), default=0)
     return torch.empty(rows, weight.shape[0], dtype=dtype, device=weight.device)
 
 
-def _logsumexp_destroying(logits: torch.Tensor) -> torch.Tensor:
-    """Row logsumexp, overwriting `logits` so that no second [chunk, V] tensor exists."""
-    row_max = logits.amax(1, keepdim=True)
-    return logits.sub_(row_max).exp_().sum(1).log_().add_(row_max.squeeze(1))
+def _exp_shifted_(logits: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """exp(logits - row max), in place: forward and recompute share it, so they agree bitwise."""
+    return logits.sub_(row_max[:, None]).exp_()
 
 
 def _label_logp_grad_(
-    logits: torch.Tensor, log_norms: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor
+    shifted_exp: torch.Tensor, exp_sums: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor
 ) -> torch.Tensor:
-    """scale x d log softmax(logits)[target] / d logits = scale x (onehot - softmax), in place."""
-    probs = logits.sub_(log_norms[:, None]).exp_()
-    probs.mul_(-scale[:, None])
-    return probs.scatter_add_(1, targets[:, None], scale[:, None])
+    """scale x d log softmax[target] / d logits = scale x (onehot - shifted_exp / exp_sums).
+
+    In place; the softmax division folds into the one multiply over [chunk, V].
+    """
+    shifted_exp.mul_((-scale / exp_sums)[:, None])
+    return shifted_exp.scatter_add_(1, targets[:, None], scale[:, None])
+
+
+def _add_outer_(
+    total: torch.Tensor | None, grad_logits: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """total + grad_logits.T @ rows; the first chunk writes a fresh [V, H] (no zero fill)."""
+    if total is None:
+        return torch.mm(grad_logits.T, rows)
+    return total.addmm_(grad_logits.T, rows)
 
 
 def _check_inputs(

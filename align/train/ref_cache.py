@@ -1,9 +1,13 @@
-"""The reference log-prob cache and its six-component key (no torch).
+"""The reference log-prob cache, its six-component key, and its part files (no torch).
 
 A cache file holds per-pair summed reference log-probs, looked up by pair id, and
 in its safetensors metadata the key it was built under: checkpoint weight bytes,
 tokenizer, shard content, seq_len + truncation, dtype and forward_impl. A reader
 recomputes the key it expects and refuses any difference, naming the component.
+
+While a cache is computed, each finished slice of rows is a part file in
+`<cache>.parts/` that carries the same key and the rows it covers, so a restarted
+precompute can tell which slices it may reuse (align.train.ref_precompute).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ KEY_COMPONENTS = (
 DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 GATE = "ref_cache"
 CACHE_FORMAT = "align-ref-cache-v1"
+PART_FORMAT = "align-ref-cache-part-v1"
+PART_SUFFIX = ".safetensors"
 
 
 def forward_impl_name(
@@ -81,6 +87,23 @@ def expected_key(
     }
 
 
+def _arrays(pair_ids: np.ndarray, chosen: np.ndarray, rejected: np.ndarray) -> dict:
+    import numpy as np
+
+    return {
+        "pair_id": np.ascontiguousarray(pair_ids, dtype=np.int64),
+        "chosen_logps": np.ascontiguousarray(chosen, dtype=np.float32),
+        "rejected_logps": np.ascontiguousarray(rejected, dtype=np.float32),
+    }
+
+
+def _save(path: str | Path, arrays: dict, metadata: dict[str, object]) -> None:
+    from safetensors.numpy import save_file
+
+    with atomic_path(path) as tmp:
+        save_file(arrays, str(tmp), metadata=single_key_metadata(metadata))
+
+
 def write_ref_cache(
     path: str | Path,
     pair_ids: np.ndarray,
@@ -89,18 +112,68 @@ def write_ref_cache(
     key: dict[str, str],
 ) -> None:
     import numpy as np
-    from safetensors.numpy import save_file
 
     order = np.argsort(pair_ids, kind="stable")
-    arrays = {
-        "pair_id": np.ascontiguousarray(pair_ids[order], dtype=np.int64),
-        "chosen_logps": np.ascontiguousarray(chosen[order], dtype=np.float32),
-        "rejected_logps": np.ascontiguousarray(rejected[order], dtype=np.float32),
+    arrays = _arrays(pair_ids[order], chosen[order], rejected[order])
+    _save(path, arrays, {"format": CACHE_FORMAT, "key": key})
+
+
+def key_mismatch(found: dict[str, str], expected: dict[str, str]) -> str | None:
+    """The first key component that differs, as `component 'x' expected .., found ..`."""
+    for component in KEY_COMPONENTS:
+        if found.get(component) != expected[component]:
+            return (
+                f"key component {component!r} expected {expected[component]!r}, "
+                f"found {found.get(component)!r}"
+            )
+    return None
+
+
+def parts_dir(cache: str | Path) -> Path:
+    """Where the part files of `cache` live while it is being computed."""
+    cache = Path(cache)
+    return cache.with_name(cache.name + ".parts")
+
+
+def part_path(parts: Path, index: int) -> Path:
+    return parts / f"slice-{index:06d}{PART_SUFFIX}"
+
+
+def write_cache_part(
+    parts: Path,
+    index: int,
+    rows: tuple[int, int, int],
+    pair_ids: np.ndarray,
+    chosen: np.ndarray,
+    rejected: np.ndarray,
+    key: dict[str, str],
+) -> Path:
+    """Write slice `index`, rows (start, stop, of total), atomically; returns its path."""
+    start, stop, total = rows
+    path = part_path(parts, index)
+    metadata = {
+        "format": PART_FORMAT,
+        "key": key,
+        "slice": {"index": index, "start": start, "stop": stop, "total": total},
     }
-    with atomic_path(path) as tmp:
-        save_file(
-            arrays, str(tmp), metadata=single_key_metadata({"format": CACHE_FORMAT, "key": key})
-        )
+    _save(path, _arrays(pair_ids, chosen, rejected), metadata)
+    return path
+
+
+def read_cache_part(path: str | Path) -> tuple[dict[str, object], dict[str, np.ndarray]]:
+    """(metadata, arrays) of a part file; ValueError when it is not one."""
+    from safetensors.numpy import load_file
+
+    try:
+        metadata = read_metadata(path)
+        arrays = load_file(str(path))
+    except Exception as err:  # a foreign or damaged file: the caller reports and discards it
+        raise ValueError(f"unreadable ({type(err).__name__}: {err})") from err
+    if metadata.get("format") != PART_FORMAT or not {"key", "slice"} <= set(metadata):
+        raise ValueError(f"expected a reference cache part ({PART_FORMAT}) with key and slice")
+    if set(arrays) != {"pair_id", "chosen_logps", "rejected_logps"}:
+        raise ValueError(f"expected pair_id, chosen_logps, rejected_logps, found {sorted(arrays)}")
+    return metadata, arrays
 
 
 def read_cache_key(path: str | Path, gate: str = GATE) -> dict[str, str]:
@@ -117,13 +190,9 @@ def read_cache_key(path: str | Path, gate: str = GATE) -> dict[str, str]:
 
 def check_key(path: str | Path, expected: dict[str, str], gate: str = GATE) -> None:
     """Refuse a cache whose stored key differs from `expected` in any component."""
-    found = read_cache_key(path, gate)
-    for component in KEY_COMPONENTS:
-        if found.get(component) != expected[component]:
-            raise GateRefused(
-                gate,
-                f"{path}: key component {component!r} expected {expected[component]!r}, found {found.get(component)!r}",
-            )
+    mismatch = key_mismatch(read_cache_key(path, gate), expected)
+    if mismatch:
+        raise GateRefused(gate, f"{path}: {mismatch}")
 
 
 def load_ref_cache(

@@ -1,16 +1,216 @@
-"""Computing a reference cache: score every pair of a shard with the reference forward path."""
+"""Computing a reference cache: every pair of a shard scored by the reference forward path,
+resumably and over any number of ranks.
+
+A shard's rows are cut into slices of whole batches. Each finished slice is written
+atomically as a part file in `<cache>.parts/` carrying the cache key and its rows; a
+precompute restarted under the same key reuses those parts, and discards (loudly,
+naming what differs) parts of another key or slice layout. Pending slices are dealt
+round-robin over the ranks; rank 0 merges the parts in row order into the cache and
+removes them. Batches never straddle slices, so the cache's bytes are the same for any
+number of ranks, restarts and slice size.
+"""
 
 from __future__ import annotations
 
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch.distributed as dist
+from tqdm import tqdm
+
 from align.config import ModelConfig, RefConfig, RunConfig
 from align.data.loader import PairShard
-from align.eval.preference import score_pairs
-from align.train.ref_cache import write_ref_cache
+from align.eval.preference import score_blocks, score_pairs
+from align.exit_codes import AlignError
+from align.train.ref_cache import (
+    PART_SUFFIX,
+    key_mismatch,
+    part_path,
+    parts_dir,
+    read_cache_part,
+    write_cache_part,
+    write_ref_cache,
+)
 from align.train.session import load_policy, start_session
+from align.utils.dist import DistInfo, barrier
+
+
+def slice_size(cfg: RefConfig) -> int:
+    """Pairs per slice: `ref.slice_pairs` rounded up to whole batches."""
+    return -(-cfg.slice_pairs // cfg.batch_size) * cfg.batch_size
+
+
+def slice_rows(n: int, size: int) -> list[tuple[int, int]]:
+    """[start, stop) of each slice of `size` rows of an n-row shard."""
+    return [(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def slice_blocks(start: int, stop: int, batch_size: int, forwards: int) -> list[np.ndarray | None]:
+    """The batches of rows [start, stop), then None (padding forwards) up to `forwards`."""
+    blocks = [np.arange(s, min(s + batch_size, stop)) for s in range(start, stop, batch_size)]
+    return blocks + [None] * (forwards - len(blocks))
+
+
+def part_problem(
+    metadata: dict[str, Any],
+    arrays: dict[str, np.ndarray],
+    index: int,
+    bounds: list[tuple[int, int]],
+    pair_ids: np.ndarray,
+    key: dict[str, str],
+) -> str | None:
+    """Why a part cannot stand in for slice `index` of this cache, or None when it can."""
+    mismatch = key_mismatch(metadata["key"], key)
+    if mismatch:
+        return mismatch
+    if index >= len(bounds):
+        return f"slice {index} does not exist: this shard has {len(bounds)} slices"
+    start, stop = bounds[index]
+    found = metadata["slice"]
+    expected = {"index": index, "start": start, "stop": stop, "total": len(pair_ids)}
+    if found != expected:
+        return f"slice layout expected {expected}, found {found}"
+    if not np.array_equal(arrays["pair_id"], pair_ids[start:stop]):
+        return f"pair ids differ from the shard's rows [{start}, {stop})"
+    return None
+
+
+def _part_index(path: Path) -> int:
+    """The slice index in a part file's name (`slice-000003.safetensors`)."""
+    number = path.name.removeprefix("slice-").removesuffix(PART_SUFFIX)
+    if number.isdigit() and path.name == part_path(path.parent, int(number)).name:
+        return int(number)
+    raise ValueError("not a part file (an unfinished write or a foreign file)")
+
+
+def reusable_parts(
+    parts: Path, bounds: list[tuple[int, int]], pair_ids: np.ndarray, key: dict[str, str]
+) -> tuple[list[int], list[str]]:
+    """Indices of the parts valid for this cache; every other file in `parts` is removed.
+
+    Returns (reusable slice indices, one line per discarded file saying why).
+    """
+    if not parts.is_dir():
+        return [], []
+    reusable, discarded = [], []
+    for path in sorted(parts.iterdir()):
+        try:
+            index = _part_index(path)
+            metadata, arrays = read_cache_part(path)
+            problem = part_problem(metadata, arrays, index, bounds, pair_ids, key)
+        except ValueError as err:
+            problem = str(err)
+        if problem is None:
+            reusable.append(index)
+            continue
+        discarded.append(f"{path}: {problem}")
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return reusable, discarded
+
+
+def merge_parts(
+    parts: Path, out: Path, bounds: list[tuple[int, int]], pair_ids: np.ndarray, key: dict[str, str]
+) -> None:
+    """Write the cache from every slice's part, in row order, then remove the parts."""
+    chosen, rejected = [], []
+    for index in range(len(bounds)):
+        try:
+            metadata, arrays = read_cache_part(part_path(parts, index))
+            problem = part_problem(metadata, arrays, index, bounds, pair_ids, key)
+        except ValueError as err:
+            problem = str(err)
+        if problem:
+            raise AlignError(f"{parts}: part of slice {index} changed while merging: {problem}")
+        chosen.append(arrays["chosen_logps"])
+        rejected.append(arrays["rejected_logps"])
+    write_ref_cache(out, pair_ids, np.concatenate(chosen), np.concatenate(rejected), key)
+    shutil.rmtree(parts)
+
+
+def _agree(info: DistInfo, value: Any) -> Any:
+    """Rank 0's `value` on every rank."""
+    if info.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _slice_tokens(shard: PairShard, bounds: list[tuple[int, int]], indices: list[int]) -> int:
+    a = shard.arrays
+    return int(
+        sum(
+            a["chosen_len"][s:e].sum() + a["rejected_len"][s:e].sum()
+            for s, e in (bounds[i] for i in indices)
+        )
+    )
+
+
+def precompute_ref_cache(
+    model, shard: PairShard, out: Path, key: dict[str, str], cfg: RefConfig, info: DistInfo
+) -> dict[str, Any]:
+    """Score every pair of `shard` into the cache `out`, reusing valid parts; returns figures."""
+    bounds = slice_rows(len(shard), slice_size(cfg))
+    parts = parts_dir(out)
+    reused, discarded = (
+        reusable_parts(parts, bounds, shard.pair_ids, key) if info.is_main else ([], [])
+    )
+    reused = _agree(info, reused)
+    for line in discarded:
+        print(f"align ref_cache: discarded {line}", file=sys.stderr, flush=True)
+    pending = [i for i in range(len(bounds)) if i not in set(reused)]
+    if info.is_main:
+        print(
+            f"align ref_cache: {out}: {len(bounds)} slices, {len(reused)} reused from {parts}, "
+            f"{len(pending)} to compute on {info.world_size} rank(s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    started = time.perf_counter()
+    pad_rows = np.arange(min(cfg.batch_size, len(shard)))
+    rounds = range(0, len(pending), info.world_size)
+    for first in tqdm(rounds, desc=f"ref {out.stem}", mininterval=5, disable=not info.is_main):
+        # One slice per rank per round, and as many forwards on every rank: a sharded
+        # model needs all ranks in each forward.
+        dealt = pending[first : first + info.world_size]
+        forwards = max(-(-(bounds[i][1] - bounds[i][0]) // cfg.batch_size) for i in dealt)
+        index = dealt[info.rank] if info.rank < len(dealt) else None
+        start, stop = bounds[index] if index is not None else (0, 0)
+        blocks = slice_blocks(start, stop, cfg.batch_size, forwards)
+        scored = score_blocks(model, shard, blocks, pad_rows, show=False)
+        if index is not None:
+            logps = [lp for lp in scored if lp is not None]
+            chosen = np.concatenate([lp[: len(lp) // 2] for lp in logps]).astype(np.float32)
+            rejected = np.concatenate([lp[len(lp) // 2 :] for lp in logps]).astype(np.float32)
+            rows = (start, stop, len(shard))
+            ids = shard.pair_ids[start:stop]
+            write_cache_part(parts, index, rows, ids, chosen, rejected, key)
+    barrier()
+    elapsed = time.perf_counter() - started
+    if info.is_main:
+        merge_parts(parts, out, bounds, shard.pair_ids, key)
+    computed_tokens = _slice_tokens(shard, bounds, pending)
+    return {
+        "pairs": len(shard),
+        "tokens": _slice_tokens(shard, bounds, list(range(len(bounds)))),
+        "slice_pairs": slice_size(cfg),
+        "slices": len(bounds),
+        "reused_slices": len(reused),
+        "computed_slices": len(pending),
+        "discarded_parts": len(discarded),
+        "computed_tokens": computed_tokens,
+        "world_size": info.world_size,
+        "seconds": elapsed,
+        "tokens_per_s": computed_tokens / elapsed if computed_tokens else None,
+        "key": key,
+    }
 
 
 def precompute_ref_caches(
@@ -19,26 +219,14 @@ def precompute_ref_caches(
     cfg: RefConfig,
     run: RunConfig,
     run_dir: Path,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], DistInfo]:
     """Build one cache per (shard, out, key) job with one loaded model; returns per-cache figures."""
     info = start_session(run_dir, run, None)
     model = load_policy(checkpoint, ModelConfig(cfg.dtype, cfg.attn_implementation), info)
-    figures = {}
-    for shard_path, out, key in jobs:
-        shard = PairShard(shard_path)
-        started = time.perf_counter()
-        chosen, rejected = score_pairs(model, shard, cfg.batch_size, info, desc=f"ref {out.stem}")
-        elapsed = time.perf_counter() - started
-        if info.is_main:
-            write_ref_cache(out, shard.pair_ids, chosen, rejected, key)
-        tokens = int(shard.arrays["chosen_len"].sum() + shard.arrays["rejected_len"].sum())
-        figures[out.stem] = {
-            "pairs": len(shard),
-            "tokens": tokens,
-            "seconds": elapsed,
-            "tokens_per_s": tokens / elapsed,
-            "key": key,
-        }
+    figures = {
+        out.stem: precompute_ref_cache(model, PairShard(shard_path), out, key, cfg, info)
+        for shard_path, out, key in jobs
+    }
     return figures, info
 
 

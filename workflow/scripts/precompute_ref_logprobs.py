@@ -31,6 +31,14 @@ def build_caches(loaded, checkpoint: str, entry: dict, arm: ArmPaths, stage: Sta
         checkpoint, jobs, cfg.ref, cfg.run, arm.ref_dir(forward_impl)
     )
     if info.is_main:
+        for split, f in figures.items():
+            rate = f"{f['tokens_per_s']:.0f} tokens/s" if f["tokens_per_s"] else "nothing computed"
+            print(
+                f"align ref_cache: arm {cfg.arm} {forward_impl} {split}: {f['pairs']} pairs, "
+                f"{f['slices']} slices ({f['reused_slices']} reused, {f['discarded_parts']} parts "
+                f"discarded), {rate} on {f['world_size']} rank(s)",
+                file=sys.stderr,
+            )
         receipt = stage.receipt(
             loaded,
             PASSED,
