@@ -11,11 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
+from tiny_pairs import write_tiny_pairs
 
-from align.data.shards import PAIR_FORMAT, write_shard
 from align.exit_codes import RESUMABLE_STOP
-from align.model.tiny import make_tiny_model
-from align.model.tokenizer import train_bpe_tokenizer
 
 DRIVER = Path(__file__).parent / "drivers" / "train_tiny.py"
 N_PAIRS, SEQ = 24, 14
@@ -25,33 +23,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("trainer")
-    texts = [f"{a} plus {b} is {a + b}." for a in range(10) for b in range(10)]
-    train_bpe_tokenizer(texts, 300, work / "tok")
-    make_tiny_model(
-        work / "base",
-        work / "tok",
-        seed=3,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    vocab = json.loads((work / "base" / "config.json").read_text())["vocab_size"]
+    write_tiny_pairs(work, N_PAIRS, SEQ)
     rng = np.random.default_rng(0)
-    prompt_len = rng.integers(3, 6, N_PAIRS).astype(np.int32)
-    chosen_len = (prompt_len + rng.integers(3, SEQ - 6, N_PAIRS)).astype(np.int32)
-    rejected_len = (prompt_len + rng.integers(3, SEQ - 6, N_PAIRS)).astype(np.int32)
-    arrays = {
-        "pair_id": np.arange(N_PAIRS, dtype=np.int64),
-        "prompt_len": prompt_len,
-        "chosen_len": chosen_len,
-        "rejected_len": rejected_len,
-        "chosen_ids": rng.integers(4, vocab, (N_PAIRS, SEQ)).astype(np.int32),
-        "rejected_ids": rng.integers(4, vocab, (N_PAIRS, SEQ)).astype(np.int32),
-    }
-    write_shard(work / "pairs.safetensors", arrays, PAIR_FORMAT)
     np.savez(
         work / "ref.npz",
         chosen=rng.normal(-20, 2, N_PAIRS).astype(np.float32),
