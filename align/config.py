@@ -69,12 +69,14 @@ class RefConfig:
 
     The precompute writes one resumable part per slice of `slice_pairs` pairs, rounded
     up to whole batches so that slicing never changes a batch; the cache's bytes do not
-    depend on it.
+    depend on it. `share_prompt` scores each pair as one prefix-shared row, as
+    `batch.share_prompt` trains.
     """
 
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
     batch_size: int = 16
+    share_prompt: bool = False
     slice_pairs: int = 128
 
 
@@ -106,7 +108,13 @@ class OptimizerConfig:
 
 @dataclass
 class BatchConfig:
-    """Batch topology: world_size x micro_batch x grad_accum must equal global_batch."""
+    """Batch topology: world_size x micro_batch x grad_accum must equal global_batch.
+
+    `share_prompt` lays each DPO pair out as one row [prompt | chosen | rejected], so the
+    prompt runs once (align.data.loader.collate_shared_prompt); it changes the forward
+    path, so it is part of forward_impl ('shared' for 'padded'). Needs an attention
+    backend with a segment-aware mask ('sdpa', 'eager'); SFT refuses it.
+    """
 
     world_size: int = 1
     micro_batch: int = 1
@@ -114,6 +122,7 @@ class BatchConfig:
     global_batch: int = 1
     epochs: int = 1
     seed: int = 0
+    share_prompt: bool = False
 
 
 @dataclass

@@ -48,7 +48,7 @@ from align.model.tiny import make_tiny_model
 from align.model.tokenizer import train_bpe_tokenizer
 from align.train.adapters import DpoAdapter
 from align.train.logprobs import sequence_logps
-from align.train.ref_cache import expected_key, forward_impl_name
+from align.train.ref_cache import expected_key, ref_forward_impl
 from align.train.ref_precompute import precompute_ref_caches
 from align.train.session import build_trainer, load_policy, start_session
 
@@ -102,7 +102,7 @@ def build_shard(path: Path, n: int, seq_len: int, vocab: int) -> Path:
 
 def measure_precompute(checkpoint, shard_path, root, args, reference, info) -> dict:
     ref = RefConfig(batch_size=args.ref_batch, slice_pairs=args.slice_pairs)
-    impl = forward_impl_name(ref.attn_implementation, ref.dtype, ref.batch_size)
+    impl = ref_forward_impl(ref)
     key = expected_key(
         checkpoint, shard_path, args.seq_len, "prompt_left_response_right", "float32", impl
     )

@@ -1,12 +1,14 @@
 """align's Trainer against TRL's DPOTrainer: step time, tokens/s and peak RSS on CPU.
 
-Three configurations train the same random Mistral (hidden 256, 6 layers, ~4.9M
+Four configurations train the same random Mistral (hidden 256, 6 layers, ~4.9M
 parameters, float32, sdpa) on the same pre-tokenized pairs for the same steps, batch,
 learning rate, AdamW betas and gradient clip, all in float32 and without activation
 checkpointing unless --activation-checkpointing turns it on for both (TRL's own defaults,
 bf16 autocast and gradient checkpointing, would compare different arithmetic):
 
   align        align's Trainer (FSDP2 on one gloo rank), reference log-probs precomputed
+  align_shared the same with batch.share_prompt: one row [prompt | chosen | rejected]
+               per pair, so the prompt runs once
   trl_precomp  TRL DPOTrainer, precompute_ref_log_probs=True
   trl_live     TRL DPOTrainer with a live reference model (a second copy of the weights)
 
@@ -24,7 +26,10 @@ does (data, forward, backward, clip, optimizer, logging), in wall time and in th
 child's CPU time (steadier when other jobs share the cores); the median over a run's
 intervals is its figure. Rounds alternate the order of the configurations, and the
 tables report the median over rounds. Tokens/s is the mean real (unpadded) tokens of
-a step over the median wall step time; every run covers the same pairs exactly once.
+a step in the chosen-then-rejected layout (the prompt counted twice, for every
+configuration alike) over the median wall step time; every run covers the same pairs
+exactly once. The mean prompt and response lengths are printed with the table: the
+prompt's share of them is what the shared layout saves.
 
 Run: .venv/bin/python benchmarks/trainer_vs_trl.py  [--steps 12] [--rounds 3] [--threads 1]
      [--activation-checkpointing] [--json FILE]
@@ -60,7 +65,8 @@ MODEL = {
     "num_key_value_heads": 2,
     "max_position_embeddings": SEQ_LEN,
 }
-CONFIGS = ("align", "trl_precomp", "trl_live")
+CONFIGS = ("align", "align_shared", "trl_precomp", "trl_live")
+ALIGN_CONFIGS = ("align", "align_shared")
 TARGETS = {"median_step_s": 0.6, "peak_rss_mb": 0.8}  # align / trl_precomp, at most
 RATIOS = ("median_step_s", "median_step_cpu_s", "peak_rss_mb")
 
@@ -68,8 +74,9 @@ RATIOS = ("median_step_s", "median_step_cpu_s", "peak_rss_mb")
 # --- shared inputs ---------------------------------------------------------------------
 
 
-def prepare(work: Path, n_pairs: int) -> float:
-    """Data, tokenizer, base checkpoint and the pair shard; returns mean real tokens per step."""
+def prepare(work: Path, n_pairs: int) -> dict[str, float]:
+    """Data, tokenizer, base checkpoint and the pair shard; returns mean real tokens per step
+    (both layouts) and mean prompt / chosen / rejected lengths."""
     from tokenizers import Tokenizer
 
     from align.data.shards import PAIR_FORMAT, pair_arrays, write_shard
@@ -112,8 +119,17 @@ def prepare(work: Path, n_pairs: int) -> float:
             ]
         )
     )
-    tokens = sum(2 * len(p.prompt) + len(p.chosen) + len(p.rejected) for p in pairs)
-    return tokens / (n_pairs / PAIRS_PER_STEP)
+    prompt, chosen, rejected = (
+        float(np.mean([len(getattr(p, part)) for p in pairs]))
+        for part in ("prompt", "chosen", "rejected")
+    )
+    return {
+        "tokens_per_step": (2 * prompt + chosen + rejected) * PAIRS_PER_STEP,
+        "shared_tokens_per_step": (prompt + chosen + rejected) * PAIRS_PER_STEP,
+        "mean_prompt": prompt,
+        "mean_chosen": chosen,
+        "mean_rejected": rejected,
+    }
 
 
 # --- the children ----------------------------------------------------------------------
@@ -124,7 +140,9 @@ def _clocks() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def run_align(work: Path, steps: int, activation_checkpointing: bool) -> list[tuple[float, float]]:
+def run_align(
+    work: Path, steps: int, activation_checkpointing: bool, share_prompt: bool
+) -> list[tuple[float, float]]:
     import torch
 
     from align.config import BatchConfig, ModelConfig, OptimizerConfig, RunConfig, TrainerConfig
@@ -135,7 +153,11 @@ def run_align(work: Path, steps: int, activation_checkpointing: bool) -> list[tu
     from align.train.session import build_trainer, load_policy, start_session
 
     batch = BatchConfig(
-        micro_batch=PAIRS_PER_STEP, global_batch=PAIRS_PER_STEP, grad_accum=1, epochs=1
+        micro_batch=PAIRS_PER_STEP,
+        global_batch=PAIRS_PER_STEP,
+        grad_accum=1,
+        epochs=1,
+        share_prompt=share_prompt,
     )
     run_dir = work / "align-run"
     trainer_cfg = TrainerConfig(activation_checkpointing=activation_checkpointing)
@@ -143,7 +165,7 @@ def run_align(work: Path, steps: int, activation_checkpointing: bool) -> list[tu
     model = load_policy(
         work / "base", ModelConfig(dtype="float32", attn_implementation="sdpa"), info, trainer_cfg
     )
-    shard = PairShard(work / "pairs.safetensors")
+    shard = PairShard(work / "pairs.safetensors", share_prompt=share_prompt)
     with torch.no_grad():  # the reference cache: the policy at step 0
         model.eval()
         logps = [
@@ -243,8 +265,8 @@ def child(config: str, work: Path, args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     checkpointing = args.activation_checkpointing
-    if config == "align":
-        ends = run_align(work, args.steps, checkpointing)
+    if config in ALIGN_CONFIGS:
+        ends = run_align(work, args.steps, checkpointing, config == "align_shared")
     else:
         ends = run_trl(work, args.steps, config == "trl_live", checkpointing)
     wall, cpu = np.diff(np.array(ends), axis=0).T
@@ -288,8 +310,9 @@ def measure(config: str, work: Path, args: argparse.Namespace) -> dict:
 
 
 def report(
-    results: dict[str, list[dict]], tokens_per_step: float, args: argparse.Namespace
+    results: dict[str, list[dict]], data: dict[str, float], args: argparse.Namespace
 ) -> dict:
+    tokens_per_step = data["tokens_per_step"]
     summary = {}
     for config, runs in results.items():
         step = statistics.median(r["median_step_s"] for r in runs)
@@ -310,7 +333,12 @@ def report(
     checkpointing = "on" if args.activation_checkpointing else "off"
     print(
         f"\n{args.steps} steps, {args.threads} thread(s), activation checkpointing {checkpointing}, "
-        f"{tokens_per_step:.0f} real tokens per step"
+        f"{tokens_per_step:.0f} real tokens per step ({data['shared_tokens_per_step']:.0f} "
+        "in the shared layout)"
+    )
+    print(
+        f"mean lengths: prompt {data['mean_prompt']:.1f}, chosen response "
+        f"{data['mean_chosen']:.1f}, rejected response {data['mean_rejected']:.1f} tokens"
     )
     print(
         f"{'config':<12} {'step s':>7} {'cpu s':>7} {'tokens/s':>9} {'peak RSS MiB':>13}"
@@ -321,19 +349,21 @@ def report(
             f"{config:<12} {row['median_step_s']:7.3f} {row['median_step_cpu_s']:7.3f} "
             f"{row['tokens_per_s']:9.0f} {row['peak_rss_mb']:13.0f}  {row['rounds']}"
         )
-    align = summary["align"]
-    for other in ("trl_precomp", "trl_live"):
-        ratios = {key: align[key] / summary[other][key] for key in RATIOS}
+    pairs = [(mine, other) for mine in ALIGN_CONFIGS for other in ("trl_precomp", "trl_live")]
+    for mine, other in [*pairs, ("align_shared", "align")]:
+        ratios = {key: summary[mine][key] / summary[other][key] for key in RATIOS}
         print(
-            f"align / {other:<12} step time {ratios['median_step_s']:.2f}x "
+            f"{mine:<12} / {other:<12} step time {ratios['median_step_s']:.2f}x "
             f"(cpu {ratios['median_step_cpu_s']:.2f}x)   peak RSS {ratios['peak_rss_mb']:.2f}x"
         )
     target = summary["trl_precomp"]
-    for key, limit in TARGETS.items():
-        ratio = align[key] / target[key]
-        print(
-            f"target align / trl_precomp {key} <= {limit}x: {ratio:.2f}x {'met' if ratio <= limit else 'MISSED'}"
-        )
+    for mine in ALIGN_CONFIGS:
+        for key, limit in TARGETS.items():
+            ratio = summary[mine][key] / target[key]
+            print(
+                f"target {mine} / trl_precomp {key} <= {limit}x: {ratio:.2f}x "
+                f"{'met' if ratio <= limit else 'MISSED'}"
+            )
     return summary
 
 
@@ -356,15 +386,15 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="trainer-vs-trl-") as tmp:
         work = Path(tmp)
-        tokens_per_step = prepare(work, args.steps * PAIRS_PER_STEP)
+        data = prepare(work, args.steps * PAIRS_PER_STEP)
         results: dict[str, list[dict]] = {config: [] for config in CONFIGS}
         for round_index in range(args.rounds):
-            # Alternate the order, so drift in the machine's load spreads over all three.
+            # Alternate the order, so drift in the machine's load spreads over all of them.
             order = CONFIGS if round_index % 2 == 0 else CONFIGS[::-1]
             for config in order:
                 results[config].append(measure(config, work, args))
                 print(f"round {round_index + 1} {config}: {results[config][-1]}", file=sys.stderr)
-        summary = report(results, tokens_per_step, args)
+        summary = report(results, data, args)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
 

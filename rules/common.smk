@@ -6,16 +6,20 @@ import math
 from pathlib import Path
 
 from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
+from align.eval.selection import SelectionPaths
 from align.paths import SPLITS, RunPaths
 from align.receipts import read_json
+from align.report import ReportPaths, selection_labels
 from align.train.path_bias import required_forward_impl
-from align.train.ref_cache import forward_impl_name, parse_forward_impl
+from align.train.ref_cache import parse_forward_impl, ref_forward_impl
 
 PATHS = RunPaths.of(config["results_dir"])
 ARMS = list(config["arms"])
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 SFT_TOML = str(Path(workflow.basedir) / config["sft_config"])
 TINY_TOML = str(Path(workflow.basedir) / config["tiny_config"])
+SELECTION_TOML = str(Path(workflow.basedir) / "config" / "selection.toml")
+REPORT = ReportPaths.of(PATHS)
 TINY_DIR = Path(config["tiny_dir"])
 BASE_MODEL = Path(config["base_model"])
 CHECKPOINT_FILES = (
@@ -55,19 +59,13 @@ def base_model_files():
     return [BASE_MODEL / name for name in CHECKPOINT_FILES]
 
 
-def ref_forward_impl(arm):
-    """The forward path of the reference cache the arm's pre-registration names."""
-    ref = arm_cfg(arm).ref
-    return forward_impl_name(ref.attn_implementation, ref.dtype, ref.batch_size)
-
-
 def arm_shards(arm):
     return [PATHS.arm(arm).shard(split) for split in SPLITS]
 
 
 def preregistered_ref_caches(wildcards):
     """The cache built by the pre-registered reference path; path_bias measures against it."""
-    impl = ref_forward_impl(wildcards.arm)
+    impl = ref_forward_impl(arm_cfg(wildcards.arm).ref)
     return [PATHS.arm(wildcards.arm).ref_cache(impl, split) for split in SPLITS]
 
 
@@ -81,14 +79,8 @@ def caches_in_use(wildcards):
 def ref_overrides(wildcards):
     """The ref-path overrides that build the cache named by the forward_impl wildcard."""
     path = parse_forward_impl(wildcards.forward_impl)
-    if path["padding"] != "padded":
-        raise ValueError(
-            f"forward_impl {wildcards.forward_impl}: only padded batches are built"
-        )
-    return " ".join(
-        f"--ref.{key}={path[key]}"
-        for key in ("attn_implementation", "dtype", "batch_size")
-    )
+    path["share_prompt"] = str(path["share_prompt"]).lower()
+    return " ".join(f"--ref.{key}={value}" for key, value in path.items())
 
 
 def per_rank_threads(world_size):
@@ -158,10 +150,7 @@ def sft_single_gpu(wildcards):
 
 
 def selection_gpus(wildcards):
-    """select_arms scores every policy in one process on the selection's device.
-
-    SELECTION_TOML is select.smk's, read when a job is sized, after every include.
-    """
+    """select_arms scores every policy in one process on the selection's device."""
     cfg = load_config(SELECTION_TOML, SelectionConfig).cfg
     return device_count(cfg.run.device, 1)
 
@@ -302,3 +291,21 @@ def dpo_wall_s(wildcards, input, attempt):
 
 def sft_wall_s(wildcards, attempt):
     return wall_seconds(sft_runtime(wildcards, attempt), stop_reserve_s(None), attempt)
+
+
+# --- selection and report ---
+
+
+def arm_report_figures(name, caption, label):
+    """One figure per arm, filed under the arm in the report."""
+    return [arm_report_figure(arm, name, caption, label) for arm in ARMS]
+
+
+def arm_report_figure(arm, name, caption, label):
+    return report(
+        REPORT.arm_figure(arm, name),
+        caption=f"../report/{caption}",
+        category="Arms",
+        subcategory=arm,
+        labels={"arm": arm, "figure": label},
+    )

@@ -1,25 +1,5 @@
 # Section 13: paired evaluation of every policy and the pre-registered arm
 # selection, then the report's figures (snakemake --report report.html).
-from align.eval.selection import SelectionPaths
-from align.report import ReportPaths, selection_labels
-
-SELECTION_TOML = str(Path(workflow.basedir) / "config" / "selection.toml")
-REPORT = ReportPaths.of(PATHS)
-
-
-def arm_report_figures(name, caption, label):
-    """One figure per arm, filed under the arm in the report."""
-    return [arm_report_figure(arm, name, caption, label) for arm in ARMS]
-
-
-def arm_report_figure(arm, name, caption, label):
-    return report(
-        REPORT.arm_figure(arm, name),
-        caption=f"../report/{caption}",
-        category="Arms",
-        subcategory=arm,
-        labels={"arm": arm, "figure": label},
-    )
 
 
 rule select_arms:

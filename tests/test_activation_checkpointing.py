@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from tiny_models import tiny_mistral_config
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     _CHECKPOINT_PREFIX,
     CheckpointWrapper,
@@ -16,23 +17,13 @@ from torch.distributed.fsdp import FSDPModule
 
 from align.losses.fused import shift_labels
 from align.model.checkpoint import save_hf_checkpoint
-from align.model.hf_config import MistralConfig
 from align.model.mistral import DecoderLayer, NmoMistralForCausalLM
 from align.train.fsdp import apply_activation_checkpointing, load_sharded
 from align.utils.dist import destroy_distributed, init_distributed
 
 torch.set_num_threads(1)
 
-CONFIG = MistralConfig(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-    pad_token_id=0,
-)
+CONFIG = tiny_mistral_config(vocab_size=96, num_hidden_layers=3, max_position_embeddings=32)
 
 
 def step_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
+from tiny_models import tiny_mistral_config
 
 import align.model
 from align.model import checkpoint
@@ -34,17 +35,8 @@ INDEX = "model.safetensors.index.json"
 
 
 def tiny_config(tied: bool = False) -> MistralConfig:
-    return MistralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        sliding_window=None,
-        tie_word_embeddings=tied,
-        pad_token_id=0,
+    return tiny_mistral_config(
+        max_position_embeddings=32, sliding_window=None, tie_word_embeddings=tied
     )
 
 

@@ -33,6 +33,7 @@ def _triton_imported_uninterpreted() -> bool:
 TRITON_WAS_IMPORTED_UNINTERPRETED = not ON_GPU and _triton_imported_uninterpreted()
 
 import pytest  # noqa: E402
+from tiny_models import tiny_mistral_config  # noqa: E402
 
 from align.kernels import equivalence as eq  # noqa: E402
 from align.kernels import flash_attn  # noqa: E402
@@ -191,16 +192,8 @@ def test_key_lengths_follow_the_right_padded_attention_mask():
 
 
 def tiny_config(sliding_window: int | None = None) -> MistralConfig:
-    return MistralConfig(
-        vocab_size=61,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        sliding_window=sliding_window,
-        pad_token_id=0,
+    return tiny_mistral_config(
+        vocab_size=61, hidden_size=64, intermediate_size=96, sliding_window=sliding_window
     )
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tiny_models import tiny_mistral_config
 
 from align.data.loader import TokenBatch
 from align.losses.dpo import LOSSES, DPOObjective, dpo_objective
@@ -24,7 +25,6 @@ from align.losses.fused import (
 )
 from align.losses.metrics import add_metric_sums, metric_sums, reduce_metrics
 from align.losses.reference import reference_dpo, reference_nll, reference_sequence_logps
-from align.model.hf_config import MistralConfig
 from align.model.mistral import NmoMistralForCausalLM
 from align.train.logprobs import full_logits_sequence_logps as sequence_logps
 
@@ -359,17 +359,7 @@ def test_bad_inputs_raise():
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_shift_labels_and_fused_equal_full_logits_sequence_logps(tied):
-    config = MistralConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-        pad_token_id=0,
-    )
+    config = tiny_mistral_config(vocab_size=97, tie_word_embeddings=tied)
     torch.manual_seed(0)
     model = NmoMistralForCausalLM(config).eval()
     generator = torch.Generator().manual_seed(1)

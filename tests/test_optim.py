@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from tiny_models import tiny_mistral_config
 
 from align.config import ArmConfig, OptimizerConfig
 from align.exit_codes import USAGE, ConfigError
 from align.losses.fused import shift_labels
 from align.model.checkpoint import save_hf_checkpoint
-from align.model.hf_config import MistralConfig
 from align.model.mistral import NmoMistralForCausalLM
 from align.train import adamw8bit
 from align.train.checkpointing import CheckpointManager
@@ -29,15 +29,8 @@ from align.utils.dist import destroy_distributed, init_distributed
 torch.set_num_threads(1)
 
 # hidden 64: the embedding, lm_head, q, o and MLP matrices reach bitsandbytes' 8-bit size.
-CONFIG = MistralConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-    pad_token_id=0,
+CONFIG = tiny_mistral_config(
+    vocab_size=256, hidden_size=64, intermediate_size=128, max_position_embeddings=32
 )
 ADAMW8BIT = OptimizerConfig(name="adamw8bit", lr=1e-2, weight_decay=0.01)
 

@@ -3,9 +3,10 @@ does not demands a cache built by the training path, and the DPO run trains on i
 
 Library level on a tiny model: policy = reference, so through a matching path every
 pair's step-0 DPO loss is ln 2; through bfloat16 the bias is over the tolerance.
-End to end on the session's finished workflow: training in bfloat16 against the
-float32 cache makes path_bias.json say recompute, the re-evaluated DAG adds the
-ref_cache job of the training path, and the arm result names that cache.
+End to end on the session's finished workflow: training in bfloat16 and the prefix-shared
+layout against the float32 padded cache makes path_bias.json say recompute, the
+re-evaluated DAG adds the ref_cache job of the training path (dtype and layout), and
+the arm result names that cache.
 """
 
 from __future__ import annotations
@@ -94,11 +95,15 @@ def test_a_matching_path_is_accepted_and_every_step0_loss_is_ln2(tiny):
     assert figures["cache_forward_impl"] == CACHE_IMPL
     assert required_forward_impl({"figures": figures}) == CACHE_IMPL
 
-    # Step 0 through the training path: the policy is the reference the cache scored.
+    assert_step0_losses_are_ln2(tiny, cfg)
+
+
+def assert_step0_losses_are_ln2(tiny: dict, cfg: ArmConfig) -> None:
+    """Step 0 through the training path: the policy is the reference the cache scored."""
     info = start_session(tiny["work"], cfg.run, cfg.batch)
     policy = load_policy(tiny["checkpoint"], cfg.model, info, cfg.trainer)
     policy.train()
-    shard = PairShard(tiny["shard"])
+    shard = PairShard(tiny["shard"], cfg.batch.share_prompt)
     ref_chosen, ref_rejected = map(
         torch.from_numpy, load_ref_cache(tiny["cache"], tiny["key"], shard.pair_ids)
     )
@@ -114,6 +119,35 @@ def test_a_matching_path_is_accepted_and_every_step0_loss_is_ln2(tiny):
     assert float((losses - math.log(2)).abs().max()) <= 1e-6, losses
 
 
+def test_prefix_shared_training_against_a_padded_cache_is_accepted(tiny):
+    cfg = training_config("--batch.share_prompt=true")
+    figures = path_bias(tiny, cfg)
+    assert figures["action"] == ACCEPT, figures
+    print(f"shared b4 vs padded cache b16: mean |margin| {figures['mean_abs']:.2e}")
+    assert figures["training_forward_impl"] == "sdpa-fp32-b4-shared"
+    assert_step0_losses_are_ln2(tiny, cfg)
+
+
+def test_a_prefix_shared_precompute_matches_the_padded_cache(tiny):
+    impl = "sdpa-fp32-b16-shared"
+    key = expected_key(
+        tiny["checkpoint"], tiny["shard"], SEQ, "prompt_left_response_right", "float32", impl
+    )
+    cache = tiny["work"] / "ref_shared" / "train.safetensors"
+    precompute_ref_caches(
+        tiny["checkpoint"],
+        [(str(tiny["shard"]), cache, key)],
+        RefConfig(batch_size=16, share_prompt=True),
+        RunConfig(threads=1),
+        tiny["work"],
+    )
+    pair_ids = PairShard(tiny["shard"]).pair_ids
+    shared = load_ref_cache(cache, key, pair_ids)
+    padded = load_ref_cache(tiny["cache"], tiny["key"], pair_ids)
+    for got, want in zip(shared, padded, strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
 def test_bfloat16_training_against_a_float32_cache_demands_a_recompute(tiny):
     figures = path_bias(tiny, training_config("--model.dtype=bfloat16"))
     assert figures["action"] == RECOMPUTE, figures
@@ -125,17 +159,20 @@ def test_bfloat16_training_against_a_float32_cache_demands_a_recompute(tiny):
 # --- end to end on a copy of the finished workflow ---------------------------------------
 
 ARM = "argilla"
-TRAINING_IMPL = "sdpa-bf16-b4-padded"
+TRAINING_IMPL = "sdpa-bf16-b4-shared"
 # Only mtimes decide what reruns: the copied arm configs are dated before every output,
 # so nothing but the forced path_bias and what depends on it runs again.
 MTIME_ONLY = ("--rerun-triggers=mtime",)
 
 
 def bf16_arm(source: str) -> str:
-    """The argilla pre-registration trained in bfloat16, and briefly (this checks wiring)."""
+    """The argilla pre-registration trained in bfloat16 on prefix-shared rows, and briefly
+    (this checks wiring)."""
     edited = source.replace('[model]\ndtype = "float32"', '[model]\ndtype = "bfloat16"')
+    edited = edited.replace("[batch]\n", "[batch]\nshare_prompt = true\n")
     edited = edited.replace("length_drift = true", "length_drift = false")
-    assert '[model]\ndtype = "bfloat16"' in edited and "length_drift = false" in edited
+    for change in ('[model]\ndtype = "bfloat16"', "share_prompt = true", "length_drift = false"):
+        assert change in edited, change
     return edited + "\n[trainer]\nmax_micro_steps = 4\nprobe_steps = 4\n"
 
 
@@ -161,7 +198,9 @@ def bf16_workflow(finished_workflow, tmp_path) -> tuple[Path, tuple[str, ...]]:
 
 
 @pytest.mark.slow
-def test_bfloat16_training_recomputes_the_cache_and_trains_on_it(bf16_workflow):
+def test_bfloat16_shared_training_recomputes_the_cache_with_its_layout_and_trains_on_it(
+    bf16_workflow,
+):
     work, args = bf16_workflow
     arm = RunPaths.of(work / "results").arm(ARM)
     fp32_impl = read_cache_key(arm.ref_cache(CACHE_IMPL, "train"))["forward_impl"]

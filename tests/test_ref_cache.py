@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -20,6 +21,7 @@ from align.train.ref_cache import (
     expected_key,
     forward_impl_name,
     load_ref_cache,
+    parse_forward_impl,
     read_cache_key,
     write_ref_cache,
 )
@@ -111,7 +113,15 @@ def test_a_missing_cache_is_refused(tmp_path):
 
 def test_forward_impl_name_describes_the_path():
     assert forward_impl_name("sdpa", "float32", 16) == "sdpa-fp32-b16-padded"
-    assert forward_impl_name("eager", "bfloat16", 4, "packed") == "eager-bf16-b4-packed"
+    assert forward_impl_name("eager", "bfloat16", 4, True) == "eager-bf16-b4-shared"
+
+
+def test_parse_forward_impl_inverts_the_name_and_refuses_an_unknown_layout():
+    for args in (("sdpa", "float32", 16, False), ("eager", "bfloat16", 4, True)):
+        parsed = parse_forward_impl(forward_impl_name(*args))
+        assert tuple(parsed.values()) == args
+    with pytest.raises(ValueError, match=re.escape("<padded|shared>")):
+        parse_forward_impl("sdpa-fp32-b16-packed")
 
 
 # --- the key computed from a real checkpoint ---------------------------------------------

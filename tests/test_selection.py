@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tiny_models import TINY_SIZES
 
 from align.config import PairedEvalConfig, SelectionConfig, load_config
 from align.eval import paired
@@ -389,14 +390,6 @@ def test_a_zero_bootstrap_count_and_an_unknown_key_are_refused(tmp_path):
 
 # --- a fabricated run: the selection's gates and the stage end to end ----------------------
 
-MODEL_SIZES = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
 ARMS = ("alpha", "beta", "gamma")
 
 
@@ -439,7 +432,7 @@ def fabricated_run(tmp_path_factory) -> Path:
     paths = RunPaths.of("results")
     tok_dir = train_bpe_tokenizer(["a chosen answer", "a rejected answer"] * 20, 300, work / "tok")
     tokenizer = load_tokenizer(tok_dir)
-    make_tiny_model(work / paths.sft_checkpoint, tok_dir, seed=0, **MODEL_SIZES)
+    make_tiny_model(work / paths.sft_checkpoint, tok_dir, seed=0, **TINY_SIZES)
     receipt = {"schema_version": 1, "status": PASSED}
     write_json_atomic(
         work / paths.sft_gate,
@@ -463,7 +456,7 @@ def fabricated_run(tmp_path_factory) -> Path:
     )
     for seed, arm in enumerate(ARMS[:2], start=1):
         policy = paths.arm(arm).policy_dir
-        make_tiny_model(work / policy, tok_dir, seed=seed, **MODEL_SIZES)
+        make_tiny_model(work / policy, tok_dir, seed=seed, **TINY_SIZES)
         extra = {"tripwire": tripwire(ended=True, rerun=True)} if arm == "beta" else {}
         result = {
             **receipt,

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tiny_models import TINY_SIZES
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from align.model.checkpoint import load_pretrained
@@ -23,14 +24,6 @@ SENTENCES = [
     "direct preference optimisation needs a frozen reference model",
     "small models make fast tests",
 ]
-SIZES = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
 
 
 def train_tokenizer(directory: Path, special_tokens: list[str]) -> Path:
@@ -55,9 +48,9 @@ def directory_bytes(directory: Path) -> dict[str, bytes]:
 
 
 def test_same_seed_gives_identical_bytes_and_a_new_seed_new_weights(tmp_path, tokenizer_dir):
-    first = make_tiny_model(tmp_path / "a", tokenizer_dir, seed=7, **SIZES)
-    second = make_tiny_model(tmp_path / "b", tokenizer_dir, seed=7, **SIZES)
-    other = make_tiny_model(tmp_path / "c", tokenizer_dir, seed=8, **SIZES)
+    first = make_tiny_model(tmp_path / "a", tokenizer_dir, seed=7, **TINY_SIZES)
+    second = make_tiny_model(tmp_path / "b", tokenizer_dir, seed=7, **TINY_SIZES)
+    other = make_tiny_model(tmp_path / "c", tokenizer_dir, seed=8, **TINY_SIZES)
     assert first == tmp_path / "a"
     assert directory_bytes(first) == directory_bytes(second)
     assert weights_hash(first) == weights_hash(second) != weights_hash(other)
@@ -69,7 +62,7 @@ def test_same_seed_gives_identical_bytes_and_a_new_seed_new_weights(tmp_path, to
 def test_config_comes_from_the_tokenizer_and_arguments(tmp_path, tokenizer_dir):
     tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     out_dir = make_tiny_model(
-        tmp_path / "m", tokenizer_dir, seed=0, rope_theta=500.0, sliding_window=8, **SIZES
+        tmp_path / "m", tokenizer_dir, seed=0, rope_theta=500.0, sliding_window=8, **TINY_SIZES
     )
     config = load_hf_config(out_dir)
     assert config.vocab_size == tokenizer.get_vocab_size(with_added_tokens=True)
@@ -82,7 +75,12 @@ def test_config_comes_from_the_tokenizer_and_arguments(tmp_path, tokenizer_dir):
 @torch.no_grad()
 def test_tiny_model_loads_in_align_and_transformers(tmp_path, tokenizer_dir, tied: bool):
     out_dir = make_tiny_model(
-        tmp_path / "m", tokenizer_dir, seed=3, tie_word_embeddings=tied, sliding_window=6, **SIZES
+        tmp_path / "m",
+        tokenizer_dir,
+        seed=3,
+        tie_word_embeddings=tied,
+        sliding_window=6,
+        **TINY_SIZES,
     )
     model = load_pretrained(out_dir)
     assert model.embed.weight.std().item() == pytest.approx(0.02, rel=0.2)
@@ -102,10 +100,10 @@ def test_tiny_model_loads_in_align_and_transformers(tmp_path, tokenizer_dir, tie
 def test_refuses_a_tokenizer_without_the_special_tokens(tmp_path):
     tokenizer_dir = train_tokenizer(tmp_path / "no_pad", ["<unk>", "<s>", "</s>"])
     with pytest.raises(ValueError, match="<pad>"):
-        make_tiny_model(tmp_path / "m", tokenizer_dir, seed=0, **SIZES)
+        make_tiny_model(tmp_path / "m", tokenizer_dir, seed=0, **TINY_SIZES)
     assert not (tmp_path / "m").exists()
 
 
 def test_refuses_a_directory_without_tokenizer_json(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
-        make_tiny_model(tmp_path / "m", tmp_path, seed=0, **SIZES)
+        make_tiny_model(tmp_path / "m", tmp_path, seed=0, **TINY_SIZES)

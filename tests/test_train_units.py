@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import norm
+from tiny_models import tiny_mistral_config
 
 from align.config import BatchConfig, OptimizerConfig
 from align.data.loader import PairShard
@@ -21,7 +22,6 @@ from align.eval.preference import implicit_reward_preference, policy_preference
 from align.eval.stats import accuracy_summary, wilson_interval
 from align.exit_codes import USAGE, ConfigError
 from align.losses.dpo import DPOObjective, dpo_losses
-from align.model.hf_config import MistralConfig
 from align.model.mistral import NmoMistralForCausalLM
 from align.train.adapters import DpoAdapter
 from align.train.logprobs import sequence_logps
@@ -212,14 +212,12 @@ VOCAB = 40
 
 @pytest.fixture(scope="module")
 def tiny_model() -> NmoMistralForCausalLM:
-    config = MistralConfig(
+    config = tiny_mistral_config(
         vocab_size=VOCAB,
         hidden_size=16,
         intermediate_size=32,
-        num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=64,
         pad_token_id=PAD,
     )
     torch.manual_seed(0)

@@ -4,6 +4,11 @@ Pre-norm decoder layers (RMSNorm -> grouped-query self-attention with rotary
 embeddings -> residual -> RMSNorm -> SwiGLU MLP -> residual), a final RMSNorm and
 an lm_head optionally tied to the token embedding. Module names are this
 package's own; checkpoint.py maps them to and from HF's.
+
+Besides plain right-padded rows, forward takes a prefix-shared layout: one row holds
+a shared prefix followed by several branches (e.g. prompt | chosen | rejected), with
+`position_ids` restarting each branch after the prefix and `segment_ids` from which
+`build_segment_mask` keeps every branch blind to the others.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from torch import nn
 from align.losses.fused import DEFAULT_CHUNK_SIZE, fused_sequence_logps
 from align.model.attention import attention, select_attn_implementation
 from align.model.hf_config import MistralConfig
+
+# segment_ids values: padding, the shared prefix; branches are BRANCH_SEGMENT, +1, ...
+PAD_SEGMENT, PREFIX_SEGMENT, BRANCH_SEGMENT = 0, 1, 2
 
 
 class RMSNorm(nn.Module):
@@ -129,46 +137,106 @@ class NmoMistralForCausalLM(nn.Module):
         return_hidden: bool = False,
         labels: torch.Tensor | None = None,
         loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
+        position_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, T, V], or the final normed hidden states [B, T, H] if `return_hidden`,
         or with shifted `labels` [B, T] (see align.losses.fused.shift_labels) the summed label
         log-probs and scored-token counts [B], chunk by chunk, never materializing [B, T, V].
+        `labels` [K, B, T] are K label sets over the same hidden states: results [K * B],
+        set 0's rows first.
 
-        `attention_mask` is [B, T], 1 for real tokens and 0 for right padding. The label
-        path runs inside forward so a sharded lm_head is gathered while it is used.
+        `attention_mask` is [B, T], 1 for real tokens and 0 for right padding. The
+        prefix-shared layout passes `position_ids` and `segment_ids` [B, T] together (see
+        `build_segment_mask`); an `attention_mask` beside them must agree with them. The
+        label path runs inside forward so a sharded lm_head is gathered while it is used.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         x = self.embed(input_ids)
-        rope = rope_cos_sin(self.config, input_ids.shape[1], x.dtype, x.device)
-        if self.attn_implementation == "triton_fa2":
-            mask = build_key_lengths(attention_mask, input_ids.shape, self.config.sliding_window)
-        else:
-            mask = build_attention_mask(
-                attention_mask, input_ids.shape, self.config.sliding_window, input_ids.device
-            )
+        rope = rope_cos_sin(self.config, input_ids.shape[1], x.dtype, x.device, position_ids)
+        mask = self._mask(input_ids, attention_mask, position_ids, segment_ids)
         for layer in self.layers:
             x = layer(x, rope, mask)
         hidden = self.norm(x)
         if labels is not None:
-            return fused_sequence_logps(hidden, self.lm_head.weight, labels, loss_chunk_size)
+            return self._label_logps(hidden, labels, loss_chunk_size)
         return hidden if return_hidden else self.lm_head(hidden)
+
+    def _mask(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        segment_ids: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """What the backend takes as its mask, for plain or prefix-shared rows."""
+        if (position_ids is None) != (segment_ids is None):
+            raise ValueError(
+                "position_ids and segment_ids come together (the prefix-shared layout); got "
+                f"position_ids {'set' if position_ids is not None else 'None'}, "
+                f"segment_ids {'set' if segment_ids is not None else 'None'}"
+            )
+        if segment_ids is None:
+            if self.attn_implementation == "triton_fa2":
+                return build_key_lengths(
+                    attention_mask, input_ids.shape, self.config.sliding_window
+                )
+            return build_attention_mask(
+                attention_mask, input_ids.shape, self.config.sliding_window, input_ids.device
+            )
+        if self.attn_implementation == "triton_fa2":
+            raise ValueError(
+                "attention backend 'triton_fa2' masks only causally and by key lengths; the "
+                "prefix-shared layout (segment_ids, batch.share_prompt) needs a segment-aware "
+                "mask: use 'sdpa' or 'eager', or set batch.share_prompt = false"
+            )
+        if attention_mask is not None and not torch.equal(
+            attention_mask.bool(), segment_ids != PAD_SEGMENT
+        ):
+            raise ValueError("attention_mask disagrees with segment_ids on which tokens are real")
+        return build_segment_mask(segment_ids, position_ids, self.config.sliding_window)
+
+    def _label_logps(
+        self, hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if labels.dim() == 2:
+            return fused_sequence_logps(hidden, self.lm_head.weight, labels, chunk_size)
+        if labels.dim() != 3:
+            raise ValueError(f"labels must be [B, T] or [K, B, T], got {tuple(labels.shape)}")
+        # One call per set: sets may score the same position (a branch's first token is
+        # predicted from the prefix's last), which one label per position cannot express.
+        sets = [fused_sequence_logps(hidden, self.lm_head.weight, s, chunk_size) for s in labels]
+        return torch.cat([logps for logps, _ in sets]), torch.cat([counts for _, counts in sets])
 
 
 def rope_cos_sin(
-    config: MistralConfig, length: int, dtype: torch.dtype, device: torch.device
+    config: MistralConfig,
+    length: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [T, head_dim] for positions 0..T-1, computed in float32 then cast."""
+    """cos and sin [T, head_dim] for positions 0..T-1, or [B, 1, T, head_dim] for
+    `position_ids` [B, T]; computed in float32 then cast."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
-    freqs = torch.arange(length, device=device).float()[:, None] * inv_freq[None, :]
+    if position_ids is None:
+        freqs = torch.arange(length, device=device).float()[:, None] * inv_freq[None, :]
+    else:
+        if position_ids.dim() != 2 or position_ids.shape[1] != length:
+            raise ValueError(
+                f"position_ids must be [B, {length}], got shape {tuple(position_ids.shape)}"
+            )
+        freqs = (position_ids.float()[..., None] * inv_freq)[:, None]
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate [B, H, T, D] by position, rotate-half convention (as HF Mistral)."""
+    """Rotate [B, H, T, D] by position, rotate-half convention (as HF Mistral); cos and
+    sin are [T, D] or [B, 1, T, D]."""
     cos, sin = rope
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-second, first), dim=-1) * sin
@@ -202,6 +270,34 @@ def build_attention_mask(
     # A padded query always sees itself, so no row is fully masked (which would give NaN).
     key_ok = key_is_real[:, None, None, :] | (key == query)
     return allowed & key_ok
+
+
+def build_segment_mask(
+    segment_ids: torch.Tensor, position_ids: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """Boolean [B, 1, T, T] mask (True = attend) for prefix-shared rows.
+
+    A query attends to keys at or before it in packed order that are in its own segment
+    or in the prefix, never to padding; with a window, only to keys whose position id is
+    within `sliding_window` of its own. So each branch sees exactly what it would see
+    as its own row after the prefix. A padded query sees only itself.
+    """
+    if segment_ids.dim() != 2 or position_ids.shape != segment_ids.shape:
+        raise ValueError(
+            f"segment_ids and position_ids must both be [B, T], got "
+            f"{tuple(segment_ids.shape)} and {tuple(position_ids.shape)}"
+        )
+    length = segment_ids.shape[1]
+    index = torch.arange(length, device=segment_ids.device)
+    causal = index[None, :] <= index[:, None]
+    query_seg, key_seg = segment_ids[:, :, None], segment_ids[:, None, :]
+    allowed = causal & ((key_seg == query_seg) | (key_seg == PREFIX_SEGMENT))
+    allowed &= (key_seg != PAD_SEGMENT) & (query_seg != PAD_SEGMENT)
+    if sliding_window is not None:
+        allowed &= position_ids[:, :, None] - position_ids[:, None, :] < sliding_window
+    # A padded query always sees itself, so no row is fully masked (which would give NaN).
+    allowed |= index[None, :] == index[:, None]
+    return allowed[:, None]
 
 
 def build_key_lengths(

@@ -49,7 +49,10 @@ def dpo_objective_of(dpo) -> DPOObjective:
 
 def _setup(cfg: ArmConfig, ctx: GateContext, run_dir: Path, trainer_cfg):
     info = start_session(run_dir, cfg.run, cfg.batch)
-    shards = {split: PairShard(ctx.entry["shards"][split]["path"]) for split in SPLITS}
+    shards = {
+        split: PairShard(ctx.entry["shards"][split]["path"], cfg.batch.share_prompt)
+        for split in SPLITS
+    }
     refs = {split: _ref(*ctx.caches[split], shards[split]) for split in SPLITS}
     model = load_policy(ctx.checkpoint, cfg.model, info, trainer_cfg)
     trainer = build_trainer(

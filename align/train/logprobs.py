@@ -3,7 +3,8 @@
 `sequence_logps` is the one path stages use: chunked from hidden states inside the
 model's forward, so [B, T, V] logits never exist. `full_logits_sequence_logps` is the
 straightforward reference that tests compare it with. Logits at position t predict
-token t + 1; a token is scored when its loss_mask is set.
+token t + 1; a token is scored when its loss_mask is set. A prefix-shared batch
+(align.data.loader.collate_shared_prompt) brings its own label sets and layout.
 """
 
 from __future__ import annotations
@@ -11,15 +12,27 @@ from __future__ import annotations
 import torch
 
 from align.data.loader import TokenBatch
-from align.losses.fused import shift_labels
+from align.losses.fused import IGNORE_INDEX, shift_labels
+
+
+def _layout(batch: TokenBatch) -> dict[str, torch.Tensor]:
+    """The prefix-shared layout's forward arguments; none for plain rows."""
+    if batch.segment_ids is None:
+        return {}
+    return {"position_ids": batch.position_ids, "segment_ids": batch.segment_ids}
 
 
 def sequence_logps_and_counts(
     model: torch.nn.Module, batch: TokenBatch
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-prob [B] float32, scored token count [B]) through the chunked path."""
-    labels = shift_labels(batch.input_ids, batch.loss_mask)
-    logps, counts = model(batch.input_ids, attention_mask=batch.attention_mask, labels=labels)
+    """(summed log-prob float32, scored token count) per sequence through the chunked path:
+    [B] for plain rows, [2b] (chosen then rejected) for a prefix-shared batch of b pairs."""
+    labels = batch.labels
+    if labels is None:
+        labels = shift_labels(batch.input_ids, batch.loss_mask)
+    logps, counts = model(
+        batch.input_ids, attention_mask=batch.attention_mask, labels=labels, **_layout(batch)
+    )
     return logps.float(), counts
 
 
@@ -29,7 +42,12 @@ def sequence_logps(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
 
 def full_logits_sequence_logps(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
     """The reference: log_softmax over full logits, gathered at the labels."""
-    logits = model(batch.input_ids, attention_mask=batch.attention_mask)
+    logits = model(batch.input_ids, attention_mask=batch.attention_mask, **_layout(batch))
+    if batch.labels is not None:
+        logp = torch.log_softmax(logits.float(), dim=-1).expand(len(batch.labels), -1, -1, -1)
+        scored = batch.labels != IGNORE_INDEX
+        token = logp.gather(-1, batch.labels.clamp(min=0)[..., None]).squeeze(-1)
+        return torch.where(scored, token, 0.0).sum(-1).flatten()
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     token = logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     return (token * batch.loss_mask[:, 1:]).sum(-1)

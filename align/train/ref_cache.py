@@ -39,31 +39,44 @@ PART_FORMAT = "align-ref-cache-part-v1"
 PART_SUFFIX = ".safetensors"
 
 
+LAYOUT_TAGS = {False: "padded", True: "shared"}  # batch.share_prompt -> its tag
+
+
 def forward_impl_name(
-    attn_implementation: str, dtype: str, batch_size: int, padding: str = "padded"
+    attn_implementation: str, dtype: str, batch_size: int, share_prompt: bool = False
 ) -> str:
-    """A name that fully describes a forward path, e.g. `sdpa-fp32-b16-padded`."""
-    return f"{attn_implementation}-{DTYPE_TAGS[dtype]}-b{batch_size}-{padding}"
+    """A name that fully describes a forward path, e.g. `sdpa-fp32-b16-padded`; the last
+    part is the batch layout (`shared`: one prefix-shared row per pair)."""
+    layout = LAYOUT_TAGS[share_prompt]
+    return f"{attn_implementation}-{DTYPE_TAGS[dtype]}-b{batch_size}-{layout}"
+
+
+def ref_forward_impl(ref) -> str:
+    """The forward path a pre-registration's `[ref]` section builds its cache with."""
+    return forward_impl_name(ref.attn_implementation, ref.dtype, ref.batch_size, ref.share_prompt)
 
 
 def parse_forward_impl(name: str) -> dict[str, object]:
-    """Invert `forward_impl_name`: {attn_implementation, dtype, batch_size, padding}."""
+    """Invert `forward_impl_name`: {attn_implementation, dtype, batch_size, share_prompt}."""
     parts = name.split("-")
     tags = {tag: dtype for dtype, tag in DTYPE_TAGS.items()}
+    layouts = {tag: shared for shared, tag in LAYOUT_TAGS.items()}
     if (
         len(parts) != 4
         or parts[1] not in tags
         or not parts[2].startswith("b")
         or not parts[2][1:].isdigit()
+        or parts[3] not in layouts
     ):
         raise ValueError(
-            f"forward_impl {name!r} is not of the form <attn>-<fp32|bf16|fp16>-b<batch>-<padding>"
+            f"forward_impl {name!r} is not of the form "
+            "<attn>-<fp32|bf16|fp16>-b<batch>-<padded|shared>"
         )
     return {
         "attn_implementation": parts[0],
         "dtype": tags[parts[1]],
         "batch_size": int(parts[2][1:]),
-        "padding": parts[3],
+        "share_prompt": layouts[parts[3]],
     }
 
 

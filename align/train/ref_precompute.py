@@ -224,7 +224,9 @@ def precompute_ref_caches(
     info = start_session(run_dir, run, None)
     model = load_policy(checkpoint, ModelConfig(cfg.dtype, cfg.attn_implementation), info)
     figures = {
-        out.stem: precompute_ref_cache(model, PairShard(shard_path), out, key, cfg, info)
+        out.stem: precompute_ref_cache(
+            model, PairShard(shard_path, cfg.share_prompt), out, key, cfg, info
+        )
         for shard_path, out, key in jobs
     }
     return figures, info
@@ -239,7 +241,7 @@ def run_path_bias(
 
     info = start_session(run_dir, cfg.run, cfg.batch)
     model = load_policy(checkpoint, cfg.model, info, cfg.trainer)
-    shard = PairShard(shard_path)
+    shard = PairShard(shard_path, cfg.batch.share_prompt)
     ref_chosen, ref_rejected = load_ref_cache(cache, key, shard.pair_ids)
     rows = sample_rows(len(shard), cfg.path_bias.sample_pairs, cfg.path_bias.seed)
     chosen, rejected = score_pairs(
@@ -247,7 +249,7 @@ def run_path_bias(
     )
     errors = margin_errors(chosen, rejected, ref_chosen[rows], ref_rejected[rows])
     training_impl = forward_impl_name(
-        model.attn_implementation, cfg.model.dtype, cfg.batch.micro_batch
+        model.attn_implementation, cfg.model.dtype, cfg.batch.micro_batch, shard.share_prompt
     )
     cache_impl = key["forward_impl"]
     return path_bias_figures(errors, cfg.path_bias.tolerance, cache_impl, training_impl), info

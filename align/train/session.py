@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 
 from align.config import BatchConfig, ModelConfig, OptimizerConfig, RunConfig, TrainerConfig
-from align.data.loader import BatchSource
+from align.data.loader import BatchSource, PairShard
 from align.data.sampler import StepSampler
+from align.exit_codes import ConfigError
 from align.model.checkpoint import save_hf_state
 from align.model.hf_config import load_hf_config
 from align.train.fsdp import gather_full_state, load_sharded
@@ -63,6 +64,7 @@ def build_trainer(
     stage: str,
     info: DistInfo,
 ) -> Trainer:
+    check_shard_layout(shard, batch)
     sampler = StepSampler(len(shard), batch, info.rank, info.world_size)
     horizon = training_horizon(len(shard), batch)
     assert_horizon_consistent(len(sampler), len(shard), batch)
@@ -79,6 +81,21 @@ def build_trainer(
         info,
         optim.grad_clip,
     )
+
+
+def check_shard_layout(shard, batch: BatchConfig) -> None:
+    """The shard must collate the layout the pre-registration asks for: the path-bias
+    report and the reference-cache key name it, so training on another would lie."""
+    layout = getattr(shard, "share_prompt", False)
+    if batch.share_prompt and not isinstance(shard, PairShard):
+        raise ConfigError(
+            f"batch.share_prompt = true needs preference pairs; {type(shard).__name__} has none"
+        )
+    if layout != batch.share_prompt:
+        raise ConfigError(
+            f"batch.share_prompt = {str(batch.share_prompt).lower()} but the training shard "
+            f"{shard.path} was opened with share_prompt={layout}"
+        )
 
 
 def export_policy(

@@ -21,7 +21,7 @@ from align.paths import SPLITS, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, load_receipt, verify_hash
 from align.train.path_bias import RECOMPUTE, required_forward_impl
 from align.train.probes import check_projection, projected_job_rss
-from align.train.ref_cache import check_key, expected_key, forward_impl_name
+from align.train.ref_cache import check_key, expected_key, ref_forward_impl
 
 
 def sft_gate(paths: RunPaths) -> dict[str, Any]:
@@ -156,7 +156,7 @@ def _gate_manifest(ctx: GateContext) -> dict[str, Any]:
 
 def _gate_ref_cache(ctx: GateContext) -> dict[str, Any]:
     ref = ctx.cfg.ref
-    impl = forward_impl_name(ref.attn_implementation, ref.dtype, ref.batch_size)
+    impl = ref_forward_impl(ref)
     for split in SPLITS:
         key = ctx.cache_key(split, impl, ref.dtype)
         check_key(ctx.arm.ref_cache(impl, split), key)

@@ -20,7 +20,7 @@ import torch
 from align.config import ArmConfig, apply_overrides
 from align.exit_codes import run_with_exit_codes
 from align.train import ref_precompute
-from align.train.ref_cache import expected_key, forward_impl_name
+from align.train.ref_cache import expected_key, ref_forward_impl
 from align.utils.dist import destroy_distributed
 
 
@@ -35,7 +35,7 @@ def main() -> None:
     apply_overrides(cfg, overrides, where="driver")
     checkpoint, shard = ns.workdir / "base", ns.workdir / "pairs.safetensors"
     ref = cfg.ref
-    impl = forward_impl_name(ref.attn_implementation, ref.dtype, ref.batch_size)
+    impl = ref_forward_impl(ref)
     key = expected_key(checkpoint, shard, cfg.data.seq_len, cfg.data.truncation, ref.dtype, impl)
     if ns.kill_after_parts:
         _kill_after_parts(ns.kill_after_parts)

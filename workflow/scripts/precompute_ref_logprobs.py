@@ -11,7 +11,7 @@ from align.paths import SPLITS, ArmPaths, RunPaths
 from align.receipts import PASSED, hash_file
 from align.stage import Stage, parse_stage_args
 from align.train import stage_gates
-from align.train.ref_cache import expected_key, forward_impl_name
+from align.train.ref_cache import expected_key, ref_forward_impl
 from align.utils.guard import apply_resource_guards
 
 
@@ -19,7 +19,7 @@ def build_caches(loaded, checkpoint: str, entry: dict, arm: ArmPaths, stage: Sta
     from align.train.ref_precompute import precompute_ref_caches
 
     cfg = loaded.cfg
-    forward_impl = forward_impl_name(cfg.ref.attn_implementation, cfg.ref.dtype, cfg.ref.batch_size)
+    forward_impl = ref_forward_impl(cfg.ref)
     jobs = []
     for split in SPLITS:
         shard = entry["shards"][split]["path"]
@@ -55,7 +55,7 @@ def measure_path_bias(loaded, checkpoint: str, entry: dict, arm: ArmPaths, stage
     from align.train.ref_precompute import run_path_bias
 
     cfg = loaded.cfg
-    cache_impl = forward_impl_name(cfg.ref.attn_implementation, cfg.ref.dtype, cfg.ref.batch_size)
+    cache_impl = ref_forward_impl(cfg.ref)
     shard = entry["shards"]["train"]["path"]
     key = expected_key(
         checkpoint, shard, cfg.data.seq_len, cfg.data.truncation, cfg.ref.dtype, cache_impl
