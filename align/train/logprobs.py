@@ -15,10 +15,12 @@ from align.data.loader import TokenBatch
 from align.losses.fused import IGNORE_INDEX, shift_labels
 
 
-def _layout(batch: TokenBatch) -> dict[str, torch.Tensor]:
-    """The prefix-shared layout's forward arguments; none for plain rows."""
+def _mask_args(batch: TokenBatch) -> dict[str, torch.Tensor]:
+    """The forward's mask arguments for the batch's layout. A prefix-shared batch passes
+    only its segment and position ids: they define which tokens are real, and an
+    attention_mask beside them would make the model compare the two on every forward."""
     if batch.segment_ids is None:
-        return {}
+        return {"attention_mask": batch.attention_mask}
     return {"position_ids": batch.position_ids, "segment_ids": batch.segment_ids}
 
 
@@ -30,9 +32,7 @@ def sequence_logps_and_counts(
     labels = batch.labels
     if labels is None:
         labels = shift_labels(batch.input_ids, batch.loss_mask)
-    logps, counts = model(
-        batch.input_ids, attention_mask=batch.attention_mask, labels=labels, **_layout(batch)
-    )
+    logps, counts = model(batch.input_ids, labels=labels, **_mask_args(batch))
     return logps.float(), counts
 
 
@@ -42,7 +42,7 @@ def sequence_logps(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
 
 def full_logits_sequence_logps(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
     """The reference: log_softmax over full logits, gathered at the labels."""
-    logits = model(batch.input_ids, attention_mask=batch.attention_mask, **_layout(batch))
+    logits = model(batch.input_ids, **_mask_args(batch))
     if batch.labels is not None:
         logp = torch.log_softmax(logits.float(), dim=-1).expand(len(batch.labels), -1, -1, -1)
         scored = batch.labels != IGNORE_INDEX
