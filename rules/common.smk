@@ -7,6 +7,7 @@ from pathlib import Path
 
 from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
 from align.eval.selection import SelectionPaths
+from align.model.checkpoint_files import checkpoint_files
 from align.paths import SPLITS, RunPaths
 from align.receipts import read_json
 from align.report import ReportPaths, selection_labels
@@ -18,11 +19,13 @@ ARMS = list(config["arms"])
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 SFT_TOML = str(Path(workflow.basedir) / config["sft_config"])
 TINY_TOML = str(Path(workflow.basedir) / config["tiny_config"])
-SELECTION_TOML = str(Path(workflow.basedir) / "config" / "selection.toml")
+SELECTION_TOML = str(Path(workflow.basedir) / config["selection_config"])
 REPORT = ReportPaths.of(PATHS)
 TINY_DIR = Path(config["tiny_dir"])
 BASE_MODEL = Path(config["base_model"])
-CHECKPOINT_FILES = (
+# What rule tiny_default writes as the embedded default's base model.
+TINY_BASE = TINY_DIR / "base"
+TINY_BASE_FILES = (
     "config.json",
     "model.safetensors",
     "tokenizer.json",
@@ -50,13 +53,20 @@ def sft_cfg():
     return load_config(SFT_TOML, SftConfig).cfg
 
 
-def sft_checkpoint():
-    """The SFT policy: the given checkpoint, or the one rule sft trains."""
-    return config["sft_checkpoint"] or str(PATHS.sft_checkpoint)
+def base_model_files(wildcards):
+    """The base model's files: those rule tiny_default writes for the embedded default,
+    else those the directory has (single-file or sharded), refusing one that is not a
+    checkpoint. A function, so only a run that trains SFT asks for the base model."""
+    if BASE_MODEL == TINY_BASE:
+        return [TINY_BASE / name for name in TINY_BASE_FILES]
+    return checkpoint_files(BASE_MODEL)
 
 
-def base_model_files():
-    return [BASE_MODEL / name for name in CHECKPOINT_FILES]
+def sft_checkpoint_files(wildcards):
+    """The SFT policy: the given checkpoint's files, or the directory rule sft trains."""
+    if config["sft_checkpoint"]:
+        return checkpoint_files(config["sft_checkpoint"])
+    return PATHS.sft_checkpoint
 
 
 def arm_shards(arm):

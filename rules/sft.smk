@@ -2,7 +2,7 @@ rule sft:
     """Train the starting policy from the base model (only when no SFT checkpoint is given)."""
     input:
         script=SCRIPTS / "sft.py",
-        base=base_model_files(),
+        base=base_model_files,
         data=sft_cfg().data.files,
         config=SFT_TOML,
     output:
@@ -37,7 +37,7 @@ rule sft_gate:
     """Section-11 quality receipt of the SFT checkpoint: held-out NLL, greedy generations."""
     input:
         script=SCRIPTS / "sft_gate.py",
-        checkpoint=sft_checkpoint(),
+        checkpoint=sft_checkpoint_files,
         data=sft_cfg().data.files,
         config=SFT_TOML,
     output:

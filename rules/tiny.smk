@@ -8,7 +8,7 @@ rule tiny_default:
             TINY_DIR / "data" / f"{name}.jsonl"
             for name in ("argilla", "steppairs", "sft")
         ],
-        base=[TINY_DIR / "base" / name for name in CHECKPOINT_FILES],
+        base=[TINY_BASE / name for name in TINY_BASE_FILES],
         receipt=TINY_DIR / "receipt.json",
     log:
         PATHS.log("tiny_default"),

@@ -310,14 +310,12 @@ def test_save_copies_tokenizer_files(tmp_path):
     (tokenizer_dir / "tokenizer.json").write_text('{"version": "1.0"}')
     (tokenizer_dir / "tokenizer_config.json").write_text("{}")
     (tokenizer_dir / "unrelated.txt").write_text("no")
-    out_dir = save_hf_checkpoint(random_model(), tmp_path / "ckpt", tokenizer_dir=tokenizer_dir)
+    out_dir = save_hf_checkpoint(random_model(), tmp_path / "ckpt", source_dir=tokenizer_dir)
     assert (out_dir / "tokenizer.json").read_text() == '{"version": "1.0"}'
     assert (out_dir / "tokenizer_config.json").is_file()
     assert not (out_dir / "unrelated.txt").exists()
     with pytest.raises(FileNotFoundError, match="missing_tok"):
-        save_hf_checkpoint(
-            random_model(), tmp_path / "other", tokenizer_dir=tmp_path / "missing_tok"
-        )
+        save_hf_checkpoint(random_model(), tmp_path / "other", source_dir=tmp_path / "missing_tok")
     assert not (tmp_path / "other").exists()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -42,6 +43,7 @@ from align.data.tokenize import (
 )
 from align.exit_codes import BAD_INPUT, GATE_REFUSED, BadInputData, ConfigError, GateRefused
 from align.model.tokenizer import (
+    PAD_FROM_CONFIG,
     AlignTokenizer,
     default_tokenizer_config,
     load_tokenizer,
@@ -988,8 +990,29 @@ def test_template_refusing_a_system_turn_is_bad_input_naming_the_row(tokenizer):
     assert err.value.exit_code == BAD_INPUT
     assert "d.jsonl line 1" in str(err.value)
     assert "Conversation roles must alternate" in str(err.value)
+    assert "set data.merge_system_into_user = true" in str(err.value)
     merged = PromptRenderer(tok, merge_system_into_user=True).text(record)
     assert merged == "<s>[INST] Be brief.\n\nHi [/INST]"
+
+
+def test_build_with_a_template_refusing_system_turns_names_file_row_and_setting(
+    raw_data, tokenizer
+):
+    tok = with_template(tokenizer, MISTRAL_TEMPLATE)
+    with pytest.raises(BadInputData) as err:
+        prepare_arm(arm_config("argilla", raw_data), tok)
+    assert f"{raw_data['argilla']} line 1: " in str(err.value)
+    assert "set data.merge_system_into_user = true" in str(err.value)
+    merged = prepare_arm(arm_config("argilla", raw_data, "--merge_system_into_user=true"), tok)
+    assert merged.counts.kept > 0
+
+
+def test_a_template_refusal_the_setting_cannot_fix_names_the_setting_as_it_is(tokenizer):
+    tok = with_template(tokenizer, MISTRAL_TEMPLATE)
+    record = mistral_record(messages=(("user", "Hi"), ("user", "Again")))
+    with pytest.raises(BadInputData) as err:
+        PromptRenderer(tok).text(record)
+    assert "roles ['user', 'user'] (data.merge_system_into_user = false)" in str(err.value)
 
 
 def test_without_a_template_the_plain_join_is_used(tokenizer):
@@ -1302,6 +1325,7 @@ def test_manifest_records_the_pins(default_workdir, default_build):
         "bos_id": tokenizer.bos_id,
         "eos_id": tokenizer.eos_id,
         "pad_id": tokenizer.pad_id,
+        "pad_source": PAD_FROM_CONFIG,
     }
     for arm, entry in default_build["arms"].items():
         cfg = load_config(ARMS / f"{arm}.toml", ArmConfig).cfg
@@ -1367,6 +1391,68 @@ def test_manifest_gate_refuses_each_pinned_difference(
     message = refusal(default_workdir, "argilla", override)
     assert "gate manifest" in message and "arm argilla" in message
     assert f"{thing} expected {want}, found {found}" in message
+
+
+def test_manifest_gate_count_refusal_names_the_command_that_gives_the_counts(
+    default_workdir, default_build, monkeypatch
+):
+    monkeypatch.chdir(default_workdir)
+    message = refusal(default_workdir, "argilla", "--expected_train_pairs=449")
+    toml = default_build["arms"]["argilla"]["config_source"]
+    assert f"`align preregister {toml}` prints the counts this data gives" in message
+
+
+def preregister(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "align.cli", "preregister", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_preregister_prints_the_counts_the_manifest_build_gives(default_workdir, default_build):
+    checkpoint = default_workdir / "resources" / "tiny" / "tokenizer"
+    written = {p: p.stat().st_mtime_ns for p in default_workdir.rglob("*") if p.is_file()}
+    run = preregister(default_workdir, *ARM_TOMLS, f"--checkpoint={checkpoint}")
+    assert run.returncode == 0, run.stderr
+    assert {p: p.stat().st_mtime_ns for p in default_workdir.rglob("*") if p.is_file()} == written
+    for arm, entry in default_build["arms"].items():
+        counts = entry["counts"]
+        section = run.stdout.split(f"arm {arm} ")[1].split("align preregister:")[0]
+        table = dict(re.findall(r"(?m)^\s+(\w+)\s+(\d+)$", section))
+        assert {k: int(table[k]) for k in ("read", "kept", "train", "held")} == {
+            k: counts[k] for k in ("read", "kept", "train", "held")
+        }
+        assert {r: int(table[r]) for r in counts["removed"]} == counts["removed"]
+        assert f"data.expected_train_pairs = {counts['train']} (matches)" in section
+
+
+def test_preregister_write_fixes_counts_the_manifest_gate_then_passes(
+    default_workdir, default_build, monkeypatch, tmp_path
+):
+    monkeypatch.chdir(default_workdir)
+    toml = tmp_path / "argilla.toml"
+    original = (ARMS / "argilla.toml").read_text()
+    toml.write_text(original.replace("expected_held_pairs = 102", "expected_held_pairs = 7"))
+    checkpoint = default_workdir / "resources" / "tiny" / "tokenizer"
+    run = preregister(default_workdir, str(toml), f"--checkpoint={checkpoint}", "--write")
+    assert run.returncode == 0, run.stderr
+    assert "data.expected_held_pairs = 7 (DIFFERS)" in run.stdout
+    written = toml.read_text()
+    assert "expected_train_pairs = 448\nexpected_held_pairs = 102\n" in written
+    source = default_workdir / "resources" / "tiny" / "data" / "argilla.jsonl"
+    assert f"# preregister: resources/tiny/data/argilla.jsonl sha256 {hash_file(source)}" in written
+    assert f"tokenizer of {checkpoint} sha256 {tokenizer_hash(checkpoint)}" in written
+    kept = [line for line in original.splitlines() if "expected_" not in line]
+    assert [
+        line
+        for line in written.splitlines()
+        if "preregister" not in line and "expected_" not in line
+    ] == kept
+    cfg = load_config(toml, ArmConfig).cfg
+    stage_gates.manifest_entry(RunPaths.of(default_workdir / "results"), cfg, checkpoint)
 
 
 def test_manifest_gate_refuses_another_truncation_policy(

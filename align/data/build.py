@@ -115,7 +115,7 @@ def _split_tally(counts: FilterCounts, split: str) -> Tally:
     return counts.by_split.get(split) or Tally(counts.reasons)
 
 
-def _descoped_reason(build: ArmBuild) -> str | None:
+def descoped_reason(build: ArmBuild) -> str | None:
     data = build.cfg.data
     if build.counts.kept < data.min_pairs:
         return f"kept {build.counts.kept} pairs, under the pre-registered minimum data.min_pairs={data.min_pairs}"
@@ -172,7 +172,7 @@ def write_arm(build: ArmBuild, tokenizer, paths: ArmPaths) -> dict[str, Any]:
         ),
         "shards": shards,
     }
-    reason = _descoped_reason(build)
+    reason = descoped_reason(build)
     entry["status"] = PASSED if reason is None else DESCOPED
     if reason is not None:
         entry["reason"] = reason

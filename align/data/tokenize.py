@@ -46,20 +46,9 @@ class PromptRenderer:
     ):
         self.tokenizer = tokenizer
         self.merge_system_into_user = merge_system_into_user
+        self.where = where
         source = tokenizer.chat_template
-        self.template = (
-            ChatTemplate(source, self._special_tokens(tokenizer), where) if source else None
-        )
-
-    @staticmethod
-    def _special_tokens(tokenizer) -> dict[str, str]:
-        tokens = {
-            "bos_token": tokenizer.backend.id_to_token(tokenizer.bos_id),
-            "eos_token": tokenizer.backend.id_to_token(tokenizer.eos_id),
-        }
-        if not tokenizer.pad_is_eos:
-            tokens["pad_token"] = tokenizer.backend.id_to_token(tokenizer.pad_id)
-        return tokens
+        self.template = ChatTemplate(source, tokenizer.special_tokens(), where) if source else None
 
     @property
     def kind(self) -> str:
@@ -79,9 +68,20 @@ class PromptRenderer:
             )
         except ChatTemplateError as err:
             raise BadInputData(
-                f"{record.where()}: the chat template refused the row ({err})"
+                f"{record.where()}: {self.where} refused the row ({err}); {self._remedy(messages)}"
             ) from err
         return rendered + record.response_prefix
+
+    def _remedy(self, messages: Sequence[Message]) -> str:
+        """What the pre-registration can change, for a row the template refused."""
+        roles = [role for role, _ in messages]
+        if "system" in roles and not self.merge_system_into_user:
+            return (
+                "the row has a system turn: set data.merge_system_into_user = true in the "
+                "arm's pre-registration to fold it into the user turn"
+            )
+        setting = str(self.merge_system_into_user).lower()
+        return f"the template was given the roles {roles} (data.merge_system_into_user = {setting})"
 
     def ids(self, records: Sequence[PreferenceRecord]) -> list[list[int]]:
         """Prompt token ids of each record, starting with exactly one bos."""

@@ -21,11 +21,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from align.model.checkpoint_files import companion_files
 from align.model.hf_config import MistralConfig, load_hf_config
 from align.model.mistral import NmoMistralForCausalLM
 from align.model.weights_hash import INDEX_FILE_NAME, SINGLE_FILE_NAME, checkpoint_tensors
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 SAFETENSORS_METADATA = {"format": "pt"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -101,21 +101,24 @@ def load_pretrained(
 def save_hf_checkpoint(
     model: NmoMistralForCausalLM,
     out_dir: str | Path,
-    tokenizer_dir: str | Path | None = None,
+    source_dir: str | Path | None = None,
     max_shard_bytes: int | None = None,
 ) -> Path:
-    """Write config.json, safetensors weights and tokenizer files; replaces out_dir atomically.
+    """Write config.json, weights and `source_dir`'s tokenizer; replace out_dir atomically.
 
     Weights are split into shards with an index when they exceed `max_shard_bytes`.
+    The tokenizer files and the companions that travel with them (special tokens map,
+    chat template, sentencepiece model, generation config) are copied from
+    `source_dir`, the checkpoint this one derives from.
     """
-    return save_hf_state(model.config, model.state_dict(), out_dir, tokenizer_dir, max_shard_bytes)
+    return save_hf_state(model.config, model.state_dict(), out_dir, source_dir, max_shard_bytes)
 
 
 def save_hf_state(
     config: MistralConfig,
     state: dict[str, torch.Tensor],
     out_dir: str | Path,
-    tokenizer_dir: str | Path | None = None,
+    source_dir: str | Path | None = None,
     max_shard_bytes: int | None = None,
 ) -> Path:
     """`save_hf_checkpoint` from an align-named state dict (e.g. one gathered from shards)."""
@@ -124,7 +127,7 @@ def save_hf_state(
         raise FileExistsError(f"{out_dir} exists and is not a directory")
     if max_shard_bytes is not None and max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
-    tokenizer_files = _tokenizer_files(Path(tokenizer_dir)) if tokenizer_dir is not None else []
+    carried = companion_files(source_dir) if source_dir is not None else []
     hf_state = _hf_state_for_saving(config, state)
     dtype_names = {_dtype_name(tensor.dtype) for tensor in hf_state.values()}
     if len(dtype_names) != 1:
@@ -133,7 +136,7 @@ def save_hf_state(
     with _atomic_directory(out_dir) as staging:
         _write_json(staging / "config.json", config.to_hf_dict())
         _write_weights(staging, hf_state, max_shard_bytes)
-        for source in tokenizer_files:
+        for source in carried:
             shutil.copyfile(source, staging / source.name)
     return out_dir
 
@@ -230,15 +233,6 @@ def _resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtyp
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _tokenizer_files(tokenizer_dir: Path) -> list[Path]:
-    if not tokenizer_dir.is_dir():
-        raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} does not exist")
-    found = [tokenizer_dir / name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
-    if not found:
-        raise FileNotFoundError(f"none of {list(TOKENIZER_FILES)} is in {tokenizer_dir}")
-    return found
 
 
 def _hf_state_for_saving(

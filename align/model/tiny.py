@@ -53,7 +53,7 @@ def make_tiny_model(
     with torch.device("cpu"):
         model = NmoMistralForCausalLM(config).float()
     initialize_weights(model, torch.Generator(device="cpu").manual_seed(seed))
-    return save_hf_checkpoint(model, out_dir, tokenizer_dir=tokenizer_dir)
+    return save_hf_checkpoint(model, out_dir, source_dir=tokenizer_dir)
 
 
 def tokenizer_vocabulary(tokenizer_dir: Path) -> dict[str, int]:

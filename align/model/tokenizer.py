@@ -1,8 +1,17 @@
 """Tokenizer files of a checkpoint: training the default byte-level BPE, loading, hashing.
 
 Owns `tokenizer.json` and `tokenizer_config.json` in a checkpoint directory and the
-special-token ids every other stage reads through `AlignTokenizer`. This module never
-imports torch, so data and gate stages can use it cheaply.
+special-token ids every other stage reads through `AlignTokenizer`. Any tokenizer
+that `tokenizers` reads works, byte-level BPE and sentencepiece conversions with byte
+fallback (Mistral v0.1, v0.3) alike. Special tokens come from the checkpoint's own
+`tokenizer_config.json`, completed by its `special_tokens_map.json` where the config
+leaves one out, as transformers does.
+
+Padding: a checkpoint without a pad token (Mistral's) pads with its eos token.
+Padded positions are masked by length everywhere, so the pad id never reaches a
+loss; `AlignTokenizer.pad_source` says which rule chose it, and the manifest
+records it beside the pad id. This module never imports torch, so data and gate
+stages can use it cheaply.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from align.model.tokenizer_hash import (  # noqa: F401  (re-exported)
     CHAT_TEMPLATE_FILE,
     CONFIG_FILE,
+    SPECIAL_TOKENS_MAP_FILE,
     TOKENIZER_FILE,
     tokenizer_files,
     tokenizer_hash,
@@ -32,6 +42,10 @@ PAD_TOKEN = "<pad>"
 SPECIAL_TOKENS = (UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 BYTE_ALPHABET_SIZE = 256
 DEFAULT_MODEL_MAX_LENGTH = 2048
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# AlignTokenizer.pad_source: the config's own pad token, or eos for a tokenizer without one.
+PAD_FROM_CONFIG = "pad_token"
+PAD_FROM_EOS = "eos_token (the tokenizer names no pad_token)"
 
 
 def train_bpe_tokenizer(
@@ -112,8 +126,10 @@ class AlignTokenizer:
         self._model_max_length = config.get("model_max_length")
         self._bos_id = self._required_special_id(config, "bos_token")
         self._eos_id = self._required_special_id(config, "eos_token")
+        unk_token = special_token_content(config.get("unk_token"))
+        self._unk_id = self._special_id(unk_token, "unk_token") if unk_token else None
         pad_token = special_token_content(config.get("pad_token"))
-        # HF convention: a model without a pad token pads with eos (masked out anyway).
+        self._pad_source = PAD_FROM_CONFIG if pad_token else PAD_FROM_EOS
         self._pad_id = self._special_id(pad_token, "pad_token") if pad_token else self._eos_id
 
     def _required_special_id(self, config: Mapping[str, Any], key: str) -> int:
@@ -141,8 +157,24 @@ class AlignTokenizer:
         return self._pad_id
 
     @property
+    def pad_source(self) -> str:
+        """Which rule chose the pad id: PAD_FROM_CONFIG or PAD_FROM_EOS."""
+        return self._pad_source
+
+    @property
     def pad_is_eos(self) -> bool:
         return self._pad_id == self._eos_id
+
+    def special_tokens(self) -> dict[str, str]:
+        """The special tokens by name (`bos_token`, ...), as a chat template sees them."""
+        ids = {"bos_token": self._bos_id, "eos_token": self._eos_id, "unk_token": self._unk_id}
+        if self._pad_source == PAD_FROM_CONFIG:
+            ids["pad_token"] = self._pad_id
+        return {
+            name: self.backend.id_to_token(token_id)
+            for name, token_id in ids.items()
+            if token_id is not None
+        }
 
     @property
     def vocab_size(self) -> int:
@@ -181,10 +213,34 @@ def load_tokenizer(checkpoint_dir: str | os.PathLike) -> AlignTokenizer:
     """Load the tokenizer of a checkpoint directory (ours or an HF one)."""
     directory = Path(checkpoint_dir)
     tokenizer_path = _existing_file(directory / TOKENIZER_FILE)
-    config_path = _existing_file(directory / CONFIG_FILE)
-    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config = _tokenizer_config(directory)
     backend = Tokenizer.from_file(str(tokenizer_path))
     return AlignTokenizer(backend, config, chat_template=_chat_template(directory, config))
+
+
+def _tokenizer_config(directory: Path) -> dict[str, Any]:
+    """tokenizer_config.json, with the special tokens it leaves out from special_tokens_map.json.
+
+    Where both files name a special token they must agree: which one a reader would
+    honour is not worth guessing.
+    """
+    config_path = _existing_file(directory / CONFIG_FILE)
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    map_path = directory / SPECIAL_TOKENS_MAP_FILE
+    if not map_path.is_file():
+        return config
+    special = json.loads(map_path.read_text(encoding="utf-8"))
+    for key in SPECIAL_TOKEN_KEYS:
+        in_config = special_token_content(config.get(key))
+        in_map = special_token_content(special.get(key))
+        if in_map and not in_config:
+            config[key] = in_map
+        elif in_map and in_config != in_map:
+            raise ValueError(
+                f"{directory}: {key} is {in_config!r} in {CONFIG_FILE} but {in_map!r} in "
+                f"{SPECIAL_TOKENS_MAP_FILE}"
+            )
+    return config
 
 
 def _existing_file(path: Path) -> Path:

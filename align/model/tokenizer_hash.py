@@ -10,15 +10,16 @@ from align.receipts import hash_files
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 
 
 def tokenizer_files(checkpoint_dir: str | os.PathLike) -> list[Path]:
-    """The files that define a checkpoint's tokenization; the chat template file only if present."""
+    """The files that define a checkpoint's tokenization; the optional ones only if present."""
     directory = Path(checkpoint_dir)
     files = [directory / TOKENIZER_FILE, directory / CONFIG_FILE]
-    template_file = directory / CHAT_TEMPLATE_FILE
-    if template_file.is_file():
-        files.append(template_file)
+    for optional in (CHAT_TEMPLATE_FILE, SPECIAL_TOKENS_MAP_FILE):
+        if (directory / optional).is_file():
+            files.append(directory / optional)
     return files
 
 

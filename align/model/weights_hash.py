@@ -53,7 +53,7 @@ def checkpoint_layout(checkpoint_dir: str | Path) -> dict[Path, frozenset[str] |
     if not index.is_file():
         raise FileNotFoundError(f"no {SINGLE_FILE_NAME} or {INDEX_FILE_NAME} in {root}")
     names_by_file: dict[str, set[str]] = defaultdict(set)
-    for name, file_name in _read_weight_map(index).items():
+    for name, file_name in read_weight_map(index).items():
         names_by_file[file_name].add(name)
     layout: dict[Path, frozenset[str] | None] = {}
     for file_name in sorted(names_by_file):
@@ -130,7 +130,8 @@ def _feed_bytes(update: Callable[[bytes], None], handle: BinaryIO, begin: int, e
         remaining -= len(chunk)
 
 
-def _read_weight_map(index: Path) -> dict[str, str]:
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor name -> shard file map; shards must lie beside the index."""
     with index.open(encoding="utf-8") as handle:
         weight_map = json.load(handle).get("weight_map")
     if not isinstance(weight_map, dict) or not all(

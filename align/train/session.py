@@ -98,12 +98,24 @@ def check_shard_layout(shard, batch: BatchConfig) -> None:
         )
 
 
+# The hub's shard size: a 7B policy exports as a few files, the tiny default as one.
+EXPORT_SHARD_BYTES = 5 * 10**9
+
+
 def export_policy(
     model, info: DistInfo, source_checkpoint: str | Path, out_dir: str | Path
 ) -> None:
-    """Consolidate the shards on rank 0 and write an HF-format directory with the tokenizer."""
+    """Consolidate the shards on rank 0 and write an HF-format directory.
+
+    The tokenizer, chat template and generation config come from the source checkpoint,
+    so the policy loads and generates in transformers as the source did.
+    """
     state = gather_full_state(model)
     if info.is_main:
         save_hf_state(
-            load_hf_config(source_checkpoint), state, out_dir, tokenizer_dir=source_checkpoint
+            load_hf_config(source_checkpoint),
+            state,
+            out_dir,
+            source_dir=source_checkpoint,
+            max_shard_bytes=EXPORT_SHARD_BYTES,
         )

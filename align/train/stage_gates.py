@@ -54,10 +54,17 @@ def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> d
     entry = arms[cfg.arm]
     where = f"{paths.manifest}: arm {cfg.arm}"
 
-    def refuse_unless(thing: str, want: Any, found: Any) -> None:
+    def refuse_unless(thing: str, want: Any, found: Any, remedy: str = "") -> None:
         if found != want:
-            raise GateRefused("manifest", f"{where} {thing} expected {want!r}, found {found!r}")
+            raise GateRefused(
+                "manifest", f"{where} {thing} expected {want!r}, found {found!r}{remedy}"
+            )
 
+    toml = entry.get("config_source") or f"config/arms/{cfg.arm}.toml"
+    count_remedy = (
+        f"; `align preregister {toml}` prints the counts this data gives, and with "
+        "--write fixes them in the pre-registration"
+    )
     expected = {"train": cfg.data.expected_train_pairs, "held": cfg.data.expected_held_pairs}
     for split in SPLITS:
         if expected[split] is not None:
@@ -65,6 +72,7 @@ def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> d
                 f"{split} pairs (data.expected_{split}_pairs)",
                 expected[split],
                 entry["counts"][split],
+                count_remedy,
             )
     for key in ("format", "seq_len", "truncation", "max_prompt_tokens"):
         refuse_unless(f"data.{key}", getattr(cfg.data, key), entry.get(key))

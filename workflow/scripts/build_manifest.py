@@ -38,6 +38,7 @@ def main() -> None:
         "bos_id": tokenizer.bos_id,
         "eos_id": tokenizer.eos_id,
         "pad_id": tokenizer.pad_id,
+        "pad_source": tokenizer.pad_source,
     }
 
     def manifest(arms: dict) -> dict:

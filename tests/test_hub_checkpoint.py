@@ -1,0 +1,240 @@
+"""Hub-shaped checkpoints everywhere a checkpoint is read: sharded safetensors, both config
+generations, Mistral's real sentencepiece tokenizer, and the whole chain on CPU from one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import dry_run_rules, run_snakemake
+from hub_checkpoint import (
+    MISTRAL_INSTRUCT_V01_TEMPLATE,
+    SENTENCEPIECE_V3,
+    write_hub_checkpoint,
+    write_mistral_tokenizer,
+)
+
+from align.data.synthetic import write_default_data
+from align.model.checkpoint import load_pretrained, save_hf_checkpoint
+from align.model.checkpoint_files import NotACheckpoint, checkpoint_files
+from align.model.hf_config import load_hf_config
+from align.model.tokenizer import PAD_FROM_EOS, load_tokenizer
+from align.paths import RunPaths
+from align.receipts import PASSED, load_receipt, read_json
+
+REPO = Path(__file__).resolve().parents[1]
+HUB_CONFIGS = REPO / "tests" / "configs" / "hub"
+INDEX = "model.safetensors.index.json"
+LAYOUTS = ("v4", "v5")
+
+
+@pytest.fixture(scope="module")
+def mistral_tokenizer(tmp_path_factory) -> Path:
+    return write_mistral_tokenizer(tmp_path_factory.mktemp("mistral_tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory, mistral_tokenizer) -> dict[str, Path]:
+    """The same random weights saved in the transformers 4 and 5 layouts."""
+    root = tmp_path_factory.mktemp("hub")
+    return {
+        layout: write_hub_checkpoint(root / layout, mistral_tokenizer, layout) for layout in LAYOUTS
+    }
+
+
+def shards(directory: Path) -> list[str]:
+    return sorted(set(json.loads((directory / INDEX).read_text())["weight_map"].values()))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_checkpoint_files_lists_every_file_of_a_sharded_download(hub, layout):
+    directory = hub[layout]
+    assert len(shards(directory)) >= 3
+    listed = {path.name for path in checkpoint_files(directory)}
+    assert listed == {path.name for path in directory.iterdir()}
+    assert {"config.json", INDEX, "tokenizer.json", "generation_config.json"} <= listed
+    assert set(shards(directory)) <= listed
+
+
+def test_checkpoint_files_refuses_what_is_not_a_checkpoint_naming_what_is_missing(hub, tmp_path):
+    broken = shutil.copytree(hub["v5"], tmp_path / "broken")
+    first_shard = shards(broken)[0]
+    (broken / first_shard).unlink()
+    (broken / "tokenizer.json").unlink()
+    with pytest.raises(NotACheckpoint) as err:
+        checkpoint_files(broken)
+    message = str(err.value)
+    assert str(broken) in message
+    assert f"{first_shard} (named by {INDEX})" in message and "tokenizer.json" in message
+    assert err.value.exit_code == 2
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(NotACheckpoint, match=r"missing config\.json, tokenizer\.json"):
+        checkpoint_files(empty)
+    with pytest.raises(NotACheckpoint, match="no such directory"):
+        checkpoint_files(tmp_path / "absent")
+
+
+def test_single_file_checkpoint_lists_its_one_weight_file(hub, tmp_path):
+    model = load_pretrained(hub["v5"])
+    single = save_hf_checkpoint(model, tmp_path / "single", source_dir=hub["v5"])
+    names = {path.name for path in checkpoint_files(single)}
+    assert "model.safetensors" in names and INDEX not in names
+    both = shutil.copytree(hub["v5"], tmp_path / "both")
+    shutil.copyfile(single / "model.safetensors", both / "model.safetensors")
+    with pytest.raises(NotACheckpoint, match="holds both"):
+        checkpoint_files(both)
+
+
+def test_both_config_generations_give_one_model_equal_to_transformers(hub):
+    from transformers import AutoModelForCausalLM
+
+    v4, v5 = (load_hf_config(hub[layout]) for layout in LAYOUTS)
+    assert v4 == v5
+    assert (v4.rope_theta, v4.torch_dtype, v4.sliding_window) == (10000.0, "bfloat16", 4096)
+    ids = torch.tensor([[1, 733, 16289, 28793, 22557, 28705, 28750, 243, 162]])
+    theirs = AutoModelForCausalLM.from_pretrained(hub["v4"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = theirs(ids).logits
+        for layout in LAYOUTS:
+            ours = load_pretrained(hub[layout], dtype=torch.float32).eval()
+            torch.testing.assert_close(ours(ids), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mistral_tokenizer_special_tokens_pad_choice_template_and_byte_fallback(hub, layout):
+    tokenizer = load_tokenizer(hub[layout])
+    assert tokenizer.vocab_size == 32000
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)
+    assert tokenizer.pad_id == tokenizer.eos_id and tokenizer.pad_source == PAD_FROM_EOS
+    assert tokenizer.special_tokens() == {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+    }
+    assert tokenizer.chat_template == MISTRAL_INSTRUCT_V01_TEMPLATE
+    text = "Mia has 3 apples 🍎 and gets 4 more."
+    ids = tokenizer.encode(text)
+    byte_pieces = [tokenizer.backend.id_to_token(i) for i in ids if 3 <= i < 3 + 256]
+    assert byte_pieces == ["<0xF0>", "<0x9F>", "<0x8D>", "<0x8E>"]
+    assert tokenizer.decode(ids) == text
+
+
+def test_mistral_v03_tokenizer_keeps_its_control_tokens_whole(tmp_path):
+    tokenizer = load_tokenizer(write_mistral_tokenizer(tmp_path, SENTENCEPIECE_V3))
+    assert tokenizer.vocab_size == 32768 and (tokenizer.bos_id, tokenizer.eos_id) == (1, 2)
+    ids = tokenizer.encode("[INST] Hi 🍎 [/INST]")
+    assert ids[0] == tokenizer.backend.token_to_id("[INST]") == 3
+    assert ids[-1] == tokenizer.backend.token_to_id("[/INST]") == 4
+    assert "<0xF0>" in [tokenizer.backend.id_to_token(i) for i in ids]
+    assert tokenizer.decode(ids).strip() == "Hi 🍎"
+
+
+def test_special_tokens_map_that_disagrees_with_the_config_is_refused(hub, tmp_path):
+    copy = shutil.copytree(hub["v4"], tmp_path / "copy")
+    (copy / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<unk>"}))
+    with pytest.raises(ValueError, match=r"eos_token is '</s>' in tokenizer_config.json but"):
+        load_tokenizer(copy)
+
+
+def test_export_carries_the_generation_config_and_chat_template(hub, tmp_path):
+    from transformers import AutoTokenizer
+
+    for layout in LAYOUTS:
+        out = save_hf_checkpoint(
+            load_pretrained(hub[layout]), tmp_path / layout, source_dir=hub[layout]
+        )
+        for name in ("generation_config.json", "tokenizer.json", "tokenizer.model"):
+            assert (out / name).read_bytes() == (hub[layout] / name).read_bytes(), name
+        assert AutoTokenizer.from_pretrained(out).chat_template == MISTRAL_INSTRUCT_V01_TEMPLATE
+
+
+def test_sharded_base_model_no_longer_fails_dag_build_with_missing_input(hub, tmp_path):
+    rules = dry_run_rules(tmp_path, "arms", "--config", f"base_model={hub['v4']}")
+    assert "sft" in rules and "sft_gate" in rules
+    run = run_snakemake(
+        tmp_path, "--dry-run", "arms", "--config", f"base_model={tmp_path}", timeout=300
+    )
+    assert run.returncode != 0
+    assert f"{tmp_path} is not a checkpoint directory: missing config.json" in (
+        run.stdout + run.stderr
+    )
+
+
+# --- the whole chain on CPU from a hub-shaped checkpoint ---------------------------------
+
+
+def chain_config(work: Path, arms: list[str], **checkpoints: str) -> Path:
+    """Data in the public schemas under work/data, and the workflow config pointing at it."""
+    write_default_data(work / "data", seed=0, n_argilla=150, n_steppairs=150, n_sft=200)
+    config = {
+        "arms": arms,
+        "arm_config_dir": str(HUB_CONFIGS / "arms"),
+        "sft_config": str(HUB_CONFIGS / "sft.toml"),
+        "selection_config": str(HUB_CONFIGS / "selection.toml"),
+        **checkpoints,
+    }
+    path = work / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_chain(work: Path, config: Path) -> RunPaths:
+    run = run_snakemake(work, "--configfile", str(config), "--cores", "2", "arms", timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return RunPaths.of(work / "results")
+
+
+def check_policy_in_transformers(policy: Path, source: Path) -> None:
+    """The exported policy loads in transformers, equals ours in float32, and generates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert (policy / "generation_config.json").read_bytes() == (
+        source / "generation_config.json"
+    ).read_bytes()
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    assert tokenizer.chat_template == MISTRAL_INSTRUCT_V01_TEMPLATE
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 3 + 4?"}], return_dict=True, return_tensors="pt"
+    )["input_ids"]
+    assert ids[0, 0].item() == tokenizer.bos_token_id == 1
+    theirs = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
+    ours = load_pretrained(policy, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=0, atol=1e-5)
+        generated = theirs.generate(ids, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] > ids.shape[1]
+
+
+def check_chain(paths: RunPaths, arms: list[str], checkpoint: Path, source: Path) -> None:
+    gate = load_receipt(paths.sft_gate, "sft_gate", stage="sft_gate")
+    assert paths.results.parent / gate["checkpoint"] == checkpoint and gate["passed"] is True
+    manifest = load_receipt(paths.manifest, "manifest", stage="build_manifest")
+    assert manifest["pins"]["pad_source"] == PAD_FROM_EOS
+    assert manifest["pins"]["chat_template"] is True
+    for arm in arms:
+        result = load_receipt(paths.arm(arm).arm_result, "dpo", stage="dpo")
+        assert result["status"] == PASSED
+        check_policy_in_transformers(paths.arm(arm).policy_dir, source)
+    assert set(read_json(paths.selection)["figures"]["policies"]) >= set(arms)
+
+
+@pytest.mark.slow
+def test_whole_chain_from_a_sharded_hub_base_model(hub, tmp_path):
+    arms = ["argilla", "steppairs"]
+    paths = run_chain(tmp_path, chain_config(tmp_path, arms, base_model=str(hub["v4"])))
+    assert load_receipt(paths.sft_receipt, "sft", stage="sft")["status"] == PASSED
+    check_chain(paths, arms, paths.sft_checkpoint, hub["v4"])
+
+
+@pytest.mark.slow
+def test_whole_chain_from_a_hub_sft_checkpoint(hub, tmp_path):
+    arms = ["argilla"]
+    paths = run_chain(tmp_path, chain_config(tmp_path, arms, sft_checkpoint=str(hub["v5"])))
+    assert not paths.sft_checkpoint.exists(), "rule sft ran although a checkpoint was given"
+    check_chain(paths, arms, hub["v5"], hub["v5"])
