@@ -123,3 +123,37 @@ def test_projection_undershooting_the_measured_peak_is_a_failed_calibration(run_
     )
     run, _ = refuse(run_copy)
     assert_refused(run, "probe", "failed calibration")
+
+
+def test_pure_bf16_masters_at_a_dpo_learning_rate_are_refused_with_exit_6(run_copy):
+    run, _ = refuse(run_copy, "--model.master_dtype=bfloat16", "--lr=5e-7")
+    reason = assert_refused(
+        run,
+        "preflight",
+        "model.master_dtype = 'bfloat16'",
+        "optimizer.lr = 5e-07",
+        code=PREFLIGHT_REFUSED,
+    )
+    moved = float(reason.split("one step would move ")[1].split("%")[0])
+    assert moved < 5, reason
+    assert not imported_torch(run)
+
+
+def test_pure_bf16_masters_at_a_learning_rate_they_can_represent_pass(run_copy):
+    run, _ = refuse(run_copy, "--model.master_dtype=bfloat16", "--lr=1e-2", "--gates-only")
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_projected_device_memory_over_the_device_is_refused_with_exit_6(run_copy):
+    run, _ = refuse(run_copy, "--run.device=cuda", "--preflight.device_memory_gb=0.5")
+    reason = assert_refused(
+        run,
+        "preflight",
+        "projected device memory",
+        "MiB per GPU",
+        "preflight.device_memory_gb",
+        code=PREFLIGHT_REFUSED,
+    )
+    for term in ("master_weights", "optimizer_state", "activations", "loss_head", "cuda_context"):
+        assert term in reason, reason
+    assert not imported_torch(run)

@@ -119,6 +119,47 @@ def test_sigterm_then_resume_ends_bitwise_equal_to_uninterrupted(workdir, uninte
     ]
 
 
+BF16 = ("--model.dtype=bfloat16",)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_bf16(workdir) -> dict[int, str]:
+    for world in (1, 2):
+        ok(train(workdir, world, f"bf16full{world}", *BF16))
+    return {1: "bf16full1", 2: "bf16full2"}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bf16_compute_trains_float32_masters_on_every_rank_count(
+    workdir, uninterrupted_bf16, world
+):
+    tag = uninterrupted_bf16[world]
+    precision = json.loads((workdir / f"run-{tag}" / "precision.json").read_text())
+    assert (precision["compute"], precision["master"], precision["reduce"]) == (
+        "bfloat16",
+        "float32",
+        "float32",
+    )
+    assert precision["read_back"]["linear_outputs"] == ["bfloat16"]
+    config = json.loads((workdir / f"out-{tag}" / "config.json").read_text())
+    assert config["dtype"] == "float32"
+    exported = weights(workdir, tag)
+    # float32 updates leave weights between bf16 values: a bf16 master could not hold them.
+    off_grid = sum(int((w.view(np.uint32) & 0xFFFF).astype(bool).sum()) for w in exported.values())
+    assert off_grid > 0.5 * sum(w.size for w in exported.values())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bf16_compute_sigterm_then_resume_ends_bitwise_equal(workdir, uninterrupted_bf16, world):
+    tag = f"bf16term{world}"
+    stopped = train(workdir, world, tag, *BF16, "--signal-at-step=3")
+    assert stopped.returncode == RESUMABLE_STOP, stopped.stderr[-3000:]
+    ok(train(workdir, world, tag, *BF16, "--trainer.resume=true"))
+    full, resumed = weights(workdir, uninterrupted_bf16[world]), weights(workdir, tag)
+    for name in full:
+        assert full[name].tobytes() == resumed[name].tobytes(), name
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_sigkill_while_checkpointing_resumes_from_the_last_valid_one(workdir, uninterrupted, world):
     tag = f"kill{world}"

@@ -21,6 +21,7 @@ from align.train.optim import (
     build_scheduler,
     training_horizon,
 )
+from align.train.precision import Precision
 from align.train.trainer import Trainer
 from align.utils.dist import (
     DistInfo,
@@ -46,7 +47,7 @@ def load_policy(
     return load_sharded(
         path,
         info,
-        model_cfg.dtype,
+        Precision.of(model_cfg),
         model_cfg.attn_implementation,
         activation_checkpointing=bool(trainer and trainer.activation_checkpointing),
     )

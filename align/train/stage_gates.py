@@ -14,13 +14,19 @@ from pathlib import Path
 from typing import Any
 
 from align.config import ArmConfig, pinned_data_config
-from align.exit_codes import GateRefused
+from align.exit_codes import GateRefused, PreflightRefused
 from align.model.tokenizer_hash import tokenizer_hash
 from align.model.weights_hash import weights_fingerprint, weights_hash
 from align.paths import SPLITS, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, load_receipt, verify_hash
+from align.train.memory import (
+    check_device_projection,
+    check_projection,
+    device_memory_mb,
+    projected_device_memory,
+    projected_job_rss,
+)
 from align.train.path_bias import RECOMPUTE, required_forward_impl
-from align.train.probes import check_projection, projected_job_rss
 from align.train.ref_cache import check_key, expected_key, ref_forward_impl
 
 
@@ -184,13 +190,51 @@ def _gate_path_bias(ctx: GateContext) -> dict[str, Any]:
 
 
 def _gate_preflight(ctx: GateContext) -> dict[str, Any]:
+    cfg = ctx.cfg
+    master_updates = check_master_updates(cfg, ctx.checkpoint)
     shard_bytes = sum(Path(ctx.entry["shards"][s]["path"]).stat().st_size for s in SPLITS)
-    ctx.projection = projected_job_rss(ctx.cfg, ctx.checkpoint, shard_bytes)
-    host = check_projection(ctx.projection, ctx.cfg.preflight.host_memory_fraction)
-    ctx.projection.update(host)
-    return {
+    ctx.projection = projected_job_rss(cfg, ctx.checkpoint, shard_bytes)
+    host = check_projection(ctx.projection, cfg.preflight.host_memory_fraction)
+    ctx.projection.update(host, master_updates=master_updates)
+    shown = {
         "projected_mb": round(ctx.projection["total_mb"]),
         "available_mb": round(host["available_mb"]),
+    }
+    if cfg.run.device == "cuda":
+        device = projected_device_memory(cfg, ctx.checkpoint)
+        device.update(
+            check_device_projection(device, cfg.preflight, *device_memory_mb(cfg.preflight))
+        )
+        ctx.projection["device"] = device
+        shown.update(
+            device_projected_mb=round(device["total_mb"]), device_mb=round(device["device_mb"])
+        )
+    return shown
+
+
+def check_master_updates(cfg: ArmConfig, checkpoint: str | Path) -> dict[str, Any]:
+    """Refuse (exit 6) a low-precision master dtype whose weights one step at optimizer.lr
+    would mostly leave unchanged; float32 masters pass without a measurement."""
+    dtype, lr = cfg.model.master_dtype, cfg.optimizer.lr
+    if dtype == "float32":
+        return {"master_dtype": dtype}
+    from align.train.representability import moved_fraction, sample_weights
+
+    weights = sample_weights(checkpoint)
+    fraction = moved_fraction(weights, lr, dtype)
+    minimum = cfg.preflight.min_moved_fraction
+    if fraction < minimum:
+        raise PreflightRefused(
+            f"model.master_dtype = {dtype!r} at optimizer.lr = {lr:g}: one step would move "
+            f"{fraction:.2%} of the master elements (measured on {weights.size} weights of "
+            f"{checkpoint}), under preflight.min_moved_fraction = {minimum:g}; keep "
+            "master_dtype = 'float32' (compute can stay in model.dtype)"
+        )
+    return {
+        "master_dtype": dtype,
+        "lr": lr,
+        "moved_fraction": fraction,
+        "sampled": int(weights.size),
     }
 
 

@@ -124,6 +124,14 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def all_gather_floats(value: float) -> list[float]:
+    """Every rank's `value`, in rank order, on every rank."""
+    t = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=collective_device())
+    t[dist.get_rank()] = value
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when it is true on any rank: one decision for all."""
     t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=collective_device())

@@ -19,6 +19,7 @@ import torch
 from align.config import ArmConfig, apply_overrides
 from align.data.loader import PairShard
 from align.exit_codes import run_with_exit_codes
+from align.receipts import write_json_atomic
 from align.train.adapters import DpoAdapter
 from align.train.dpo_stage import dpo_objective_of
 from align.train.session import build_trainer, export_policy, load_policy, start_session
@@ -63,6 +64,8 @@ def main() -> None:
         if ns.signal_at_step and trainer.state.step == ns.signal_at_step and info.rank == 0:
             os.kill(os.getpid(), signal.SIGTERM)
 
+    if info.is_main:
+        write_json_atomic(run_dir / "precision.json", model.precision)
     trainer.fit(on_step=on_step)
     export_policy(model, info, ns.workdir / "base", ns.workdir / f"out-{ns.tag}")
     destroy_distributed()
