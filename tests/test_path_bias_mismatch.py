@@ -25,6 +25,7 @@ from tiny_pairs import write_tiny_pairs
 
 from align.config import ArmConfig, RefConfig, RunConfig, apply_overrides
 from align.data.loader import PairShard
+from align.exit_codes import AlignError
 from align.losses.dpo import dpo_objective
 from align.paths import SPLITS, RunPaths
 from align.receipts import load_receipt, read_json
@@ -154,6 +155,25 @@ def test_bfloat16_training_against_a_float32_cache_demands_a_recompute(tiny):
     print(f"bfloat16 b4 vs cache float32 b16: mean |margin| {figures['mean_abs']:.2e}")
     assert figures["training_forward_impl"] == "sdpa-bf16-b4-padded"
     assert required_forward_impl({"figures": figures}) == "sdpa-bf16-b4-padded"
+    # The name comes from what the loaded policy computes in, read back from it.
+    precision = figures["precision"]
+    assert (precision["compute"], precision["master"]) == ("bfloat16", "float32")
+    assert precision["read_back"]["linear_outputs"] == ["bfloat16"]
+
+
+def test_a_cache_key_that_names_another_dtype_than_the_reference_computes_is_refused(tiny):
+    impl = "sdpa-bf16-b16-padded"
+    key = expected_key(
+        tiny["checkpoint"], tiny["shard"], SEQ, "prompt_left_response_right", "float32", impl
+    )
+    with pytest.raises(AlignError, match=r"names dtype 'float32'.*computes in 'bfloat16'"):
+        precompute_ref_caches(
+            tiny["checkpoint"],
+            [(str(tiny["shard"]), tiny["work"] / "wrong" / "train.safetensors", key)],
+            RefConfig(batch_size=16, dtype="bfloat16"),
+            RunConfig(threads=1),
+            tiny["work"],
+        )
 
 
 # --- end to end on a copy of the finished workflow ---------------------------------------
@@ -239,3 +259,12 @@ def test_bfloat16_shared_training_recomputes_the_cache_with_its_layout_and_train
     built = read_json(arm.ref_receipt(TRAINING_IMPL))
     assert built["figures"]["train"]["key"]["forward_impl"] == TRAINING_IMPL
     assert built["figures"]["train"]["world_size"] == 2
+    # Every stage on this path read back bf16 compute over float32 masters.
+    for precision in (
+        built["figures"]["train"]["precision"],
+        figures["precision"],
+        result["figures"]["precision"],
+    ):
+        assert (precision["compute"], precision["master"]) == ("bfloat16", "float32")
+        assert precision["read_back"]["linear_outputs"] == ["bfloat16"]
+    assert "compute bfloat16, master float32" in result["figures"]["banner"]
