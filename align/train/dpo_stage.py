@@ -69,11 +69,17 @@ def _setup(cfg: ArmConfig, ctx: GateContext, run_dir: Path, trainer_cfg):
     return info, shards, refs, model, trainer
 
 
-def _peaks(info: DistInfo) -> tuple[float, list[float]]:
-    """Job-wide peak host RSS (sum over ranks) and every rank's device peak, in MiB."""
-    device = torch.cuda.max_memory_allocated() / 2**20 if info.device.type == "cuda" else 0.0
+def local_device_peak_mb(info: DistInfo) -> float | None:
+    """This rank's device peak (torch.cuda.max_memory_allocated), None off CUDA."""
+    if info.device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(info.device) / 2**20
+
+
+def job_peaks(local_device_mb: float | None) -> tuple[float, list[float]]:
+    """Job-wide peak host RSS (the sum over ranks) and every rank's device peak, in MiB."""
     (rss,) = all_reduce_sum([peak_rss_bytes() / 2**20])
-    return rss, all_gather_floats(device) if info.device.type == "cuda" else []
+    return rss, ([] if local_device_mb is None else all_gather_floats(local_device_mb))
 
 
 def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]:
@@ -83,7 +89,7 @@ def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInf
     info, _, _, model, trainer = _setup(cfg, ctx, ctx.arm.root / "probe_run", probe_cfg)
     tokens_per_s: list[float] = []
     trainer.fit(on_step=lambda m: tokens_per_s.append(m["tokens_per_s"]))
-    rss, device_peaks = _peaks(info)
+    rss, device_peaks = job_peaks(local_device_peak_mb(info))
     projected = ctx.projection.get("device", {}).get("allocated_mb")
     figures = probe_figures(
         trainer.state.step_times,
