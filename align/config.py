@@ -19,6 +19,7 @@ from typing import Any, Generic, TypeVar
 
 from align.exit_codes import ConfigError
 from align.receipts import hash_file, hash_json
+from align.topology import topology
 
 T = TypeVar("T")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -127,6 +128,8 @@ class BatchConfig:
     """
 
     world_size: int = 1
+    # Ranks (GPUs) per node; 0 takes the site's run.gpus_per_node. world_size / this = nodes.
+    gpus_per_node: int = 0
     micro_batch: int = 1
     grad_accum: int = 1
     global_batch: int = 1
@@ -212,6 +215,8 @@ class RunConfig:
     base_model: str = "resources/tiny/base"
     sft_checkpoint: str = ""
     device: str = "cpu"
+    # The site's ranks (GPUs) per node, for arms that pre-register none; 0: one node.
+    gpus_per_node: int = 0
     threads: int = 2
     heavy_lock: str = "wait"
     heavy_lock_path: str = "/tmp/align-heavy.lock"
@@ -528,6 +533,7 @@ def validate(cfg: Any, where: str) -> None:
             raise ConfigError(f"{where}: key {dotted!r} expected {expected}, found {value!r}")
     batch = getattr(cfg, "batch", None)
     if batch is not None:
+        topology(batch.world_size, batch.gpus_per_node)
         product = batch.world_size * batch.micro_batch * batch.grad_accum
         if product != batch.global_batch:
             raise ConfigError(
@@ -565,6 +571,8 @@ def _ranges(cfg: Any):
             yield dotted, value, math.isfinite(value) and value > 0, "a finite number > 0"
         elif leaf in ("min_moved_fraction", "device_memory_fraction"):
             yield dotted, value, 0.0 < value <= 1.0, "a fraction in (0, 1]"
+        elif leaf == "gpus_per_node":
+            yield dotted, value, value >= 0, "an integer >= 0"
         elif leaf == "device_memory_gb":
             yield dotted, value, math.isfinite(value) and value >= 0, "a number of GB >= 0"
 

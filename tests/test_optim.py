@@ -22,7 +22,7 @@ from align.model.mistral import NmoMistralForCausalLM
 from align.train import adamw8bit
 from align.train.checkpointing import CheckpointManager
 from align.train.fsdp import apply_fsdp
-from align.train.memory import MIB, optimizer_state_bytes, projected_job_rss
+from align.train.memory import MIB, job_shape, optimizer_state_bytes, projected_job_rss
 from align.train.optim import OPTIMIZERS, build_optimizer
 from align.utils.dist import destroy_distributed, init_distributed
 
@@ -171,7 +171,7 @@ def test_projection_counts_the_optimizer_that_runs(tmp_path):
     for name in OPTIMIZERS:
         cfg = ArmConfig(arm="tiny")
         cfg.optimizer = dataclasses.replace(cfg.optimizer, name=name)
-        projection = projected_job_rss(cfg, tmp_path / "base", shard_bytes=0)
+        projection = projected_job_rss(job_shape("dpo", cfg), tmp_path / "base", shard_bytes=0)
         assert projection["optimizer"] == name
         terms[name] = projection["terms_mb"]["optimizer_state"]
         assert terms[name] == pytest.approx(params * optimizer_state_bytes(name, "float32") / MIB)

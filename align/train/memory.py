@@ -11,10 +11,11 @@ without activation checkpointing), the fused loss head's chunk, and the CUDA con
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from align.config import ArmConfig, PreflightConfig
+from align.config import ArmConfig, ModelConfig, PreflightConfig
 from align.exit_codes import PreflightRefused
 from align.model.hf_config import MistralConfig, load_hf_config
 from align.model.weights_hash import checkpoint_tensors
@@ -186,46 +187,126 @@ def check_device_projection(
     return {"device_mb": device_mb, "device_source": source, "device_budget_mb": budget}
 
 
-def projected_job_rss(cfg: ArmConfig, checkpoint: str | Path, shard_bytes: int) -> dict[str, Any]:
-    """Projected peak RSS of the whole job (all ranks), broken down by term, in MiB."""
+@dataclass(frozen=True)
+class StageLoad:
+    """What a stage holds: policies at once (DPO scores the SFT policy beside the trained
+    one), whether it trains (gradients, optimizer state), whether rank 0 exports at the end."""
+
+    models: int
+    trains: bool
+    exports: bool
+
+
+STAGE_LOADS = {
+    "sft": StageLoad(1, True, True),
+    "dpo": StageLoad(2, True, True),
+    "probe": StageLoad(1, True, False),
+    "sft_gate": StageLoad(1, False, False),
+    "ref_cache": StageLoad(1, False, False),
+    "path_bias": StageLoad(1, False, False),
+    "select_arms": StageLoad(1, False, False),
+}
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """One model-loading job as its memory depends on it."""
+
+    stage: str
+    world: int
+    nodes: int
+    device: str
+    model: ModelConfig
+    optimizer: str
+    rows: int  # rows of one forward
+    seq_len: int
+    preflight: PreflightConfig
+
+
+def job_shape(stage: str, cfg: Any, nodes: int = 1) -> JobShape:
+    """The shape of `stage` under its pre-registration (arm, SFT or selection config)."""
+    batch = getattr(cfg, "batch", None)
+    data = getattr(cfg, "data", None)
+    trains = STAGE_LOADS[stage].trains
+    if trains:
+        rows = 2 * batch.micro_batch
+    elif stage == "ref_cache":
+        rows = 2 * cfg.ref.batch_size
+    else:
+        rows = 2 * cfg.eval.batch_size
+    world = batch.world_size if batch is not None and stage not in SINGLE_PROCESS else 1
+    return JobShape(
+        stage=stage,
+        world=world,
+        nodes=nodes,
+        device=cfg.run.device,
+        model=cfg.model,
+        optimizer=cfg.optimizer.name if trains else "",
+        rows=rows,
+        seq_len=data.seq_len if data is not None else DEFAULT_SCORED_LENGTH,
+        preflight=getattr(cfg, "preflight", PreflightConfig()),
+    )
+
+
+# sft_gate and select_arms score in one process whatever the training topology.
+SINGLE_PROCESS = ("sft_gate", "select_arms")
+# Rows scored by selection have no pre-registered seq_len; this bounds them.
+DEFAULT_SCORED_LENGTH = 2048
+
+
+def projected_job_rss(shape: JobShape, checkpoint: str | Path, shard_bytes: int) -> dict[str, Any]:
+    """Projected peak RSS of the whole job and of its fullest node, by term, in MiB.
+
+    Steady terms are held by every rank for the whole stage; rank 0 adds, at different
+    times, its staging copy of the checkpoint during each load and, for a stage that
+    exports, the consolidated state it gathers: the larger of the two counts.
+    """
     config = load_hf_config(checkpoint)
     counts = parameter_count(config)
-    world = cfg.batch.world_size
-    master, compute = DTYPE_BYTES[cfg.model.master_dtype], DTYPE_BYTES[cfg.model.dtype]
-    on_cpu = cfg.run.device == "cpu"
-    sharded = counts["total"] / world
+    load = STAGE_LOADS[shape.stage]
+    master, compute = DTYPE_BYTES[shape.model.master_dtype], DTYPE_BYTES[shape.model.dtype]
+    on_cpu = shape.device == "cpu"
+    sharded = counts["total"] / shape.world
     per_rank = {
-        "weights": sharded * master,
-        "grads": sharded * master,
-        "optimizer_state": sharded
-        * optimizer_state_bytes(cfg.optimizer.name, cfg.model.master_dtype),
-        "gathered_layer": 2 * counts["layer"] * compute,
-        "activations": _cpu_activations(cfg, config) if on_cpu else 0.0,
+        "weights": load.models * sharded * master if on_cpu else 0.0,
+        "grads": sharded * master if on_cpu and load.trains else 0.0,
+        "optimizer_state": (
+            sharded * optimizer_state_bytes(shape.optimizer, shape.model.master_dtype)
+            if on_cpu and load.trains
+            else 0.0
+        ),
+        "gathered_layer": 2 * counts["layer"] * compute if on_cpu else 0.0,
+        "activations": _cpu_activations(shape, config) if on_cpu else 0.0,
         "data_shards": float(shard_bytes),
-        "runtime": cfg.preflight.rank_overhead_mb * MIB,
+        "runtime": shape.preflight.rank_overhead_mb * MIB,
     }
-    if not on_cpu:
-        # Device-resident terms live in GPU memory; the host keeps staging and runtime only.
-        per_rank.update(weights=0.0, grads=0.0, optimizer_state=0.0, gathered_layer=0.0)
-    terms = {name: world * value / MIB for name, value in per_rank.items()}
+    steady = {name: shape.world * value / MIB for name, value in per_rank.items()}
     # Rank 0 reads the whole checkpoint in its stored dtype, then casts it to the master dtype.
     stored = checkpoint_bytes(checkpoint)
-    cast = counts["total"] * master if stored != counts["total"] * master else 0
-    terms["load_staging_rank0"] = (stored + cast) / MIB
+    full_master = counts["total"] * master
+    transient = {
+        "load_staging_rank0": (stored + (full_master if stored != full_master else 0)) / MIB
+    }
+    if load.exports:
+        transient["export_gather_rank0"] = full_master / MIB
+    peak_transient = max(transient.values())
     return {
-        "optimizer": cfg.optimizer.name,
-        "world_size": world,
+        "stage": shape.stage,
+        "optimizer": shape.optimizer or None,
+        "world_size": shape.world,
+        "nodes": shape.nodes,
         "parameters": counts["total"],
-        "terms_mb": terms,
-        "total_mb": sum(terms.values()),
+        "terms_mb": {**steady, **transient},
+        "total_mb": sum(steady.values()) + peak_transient,
+        # Rank 0's node: its share of the steady terms and rank 0's transient.
+        "node_mb": sum(steady.values()) / shape.nodes + peak_transient,
     }
 
 
-def _cpu_activations(cfg: ArmConfig, config: MistralConfig) -> float:
-    """Saved activations of one micro-batch (chosen + rejected rows), plus its logits."""
-    rows = 2 * cfg.batch.micro_batch
-    tokens = rows * cfg.data.seq_len
-    per_layer = cfg.preflight.activation_factor * tokens * config.hidden_size * 4
+def _cpu_activations(shape: JobShape, config: MistralConfig) -> float:
+    """Saved activations of one forward's rows on the CPU, plus its logits."""
+    tokens = shape.rows * shape.seq_len
+    per_layer = shape.preflight.activation_factor * tokens * config.hidden_size * 4
     logits = 3 * tokens * config.vocab_size * 4
     return config.num_hidden_layers * per_layer + logits
 

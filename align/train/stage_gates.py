@@ -19,10 +19,12 @@ from align.model.tokenizer_hash import tokenizer_hash
 from align.model.weights_hash import weights_fingerprint, weights_hash
 from align.paths import SPLITS, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, load_receipt, verify_hash
+from align.topology import topology
 from align.train.memory import (
     check_device_projection,
     check_projection,
     device_memory_mb,
+    job_shape,
     projected_device_memory,
     projected_job_rss,
 )
@@ -193,7 +195,8 @@ def _gate_preflight(ctx: GateContext) -> dict[str, Any]:
     cfg = ctx.cfg
     master_updates = check_master_updates(cfg, ctx.checkpoint)
     shard_bytes = sum(Path(ctx.entry["shards"][s]["path"]).stat().st_size for s in SPLITS)
-    ctx.projection = projected_job_rss(cfg, ctx.checkpoint, shard_bytes)
+    nodes = topology(cfg.batch.world_size, cfg.batch.gpus_per_node, cfg.run.gpus_per_node).nodes
+    ctx.projection = projected_job_rss(job_shape("dpo", cfg, nodes), ctx.checkpoint, shard_bytes)
     host = check_projection(ctx.projection, cfg.preflight.host_memory_fraction)
     ctx.projection.update(host, master_updates=master_updates)
     shown = {

@@ -31,6 +31,11 @@ def main() -> None:
     parser.add_argument("workdir", type=Path)
     parser.add_argument("--tag", required=True)
     parser.add_argument("--signal-at-step", type=int, default=0)
+    # Who gets the signal at that step: this rank's process, or its launcher (as Slurm
+    # signals a job step); which rank sends it; and which signal.
+    parser.add_argument("--signal-target", choices=("self", "launcher"), default="self")
+    parser.add_argument("--signal-rank", type=int, default=0)
+    parser.add_argument("--signal-name", choices=("SIGTERM", "SIGUSR1"), default="SIGTERM")
     parser.add_argument("--kill-in-checkpoint-at", type=int, default=0)
     ns, overrides = parser.parse_known_args()
     torch.set_num_threads(1)
@@ -61,8 +66,10 @@ def main() -> None:
         _kill_while_checkpointing(trainer, ns.kill_in_checkpoint_at)
 
     def on_step(metrics):
-        if ns.signal_at_step and trainer.state.step == ns.signal_at_step and info.rank == 0:
-            os.kill(os.getpid(), signal.SIGTERM)
+        at_step = ns.signal_at_step and trainer.state.step == ns.signal_at_step
+        if at_step and info.rank == ns.signal_rank:
+            target = os.getpid() if ns.signal_target == "self" else os.getppid()
+            os.kill(target, getattr(signal, ns.signal_name))
 
     if info.is_main:
         write_json_atomic(run_dir / "precision.json", model.precision)
