@@ -24,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from align.exit_codes import INTERNAL, RESUMABLE_STOP
@@ -158,8 +159,7 @@ def launch(ns: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    if ns.stop_marker is not None:
-        ns.stop_marker.unlink(missing_ok=True)
+    started = time.time()
     args = get_args_parser().parse_args(torchrun_args(ns))
     forward_stop_signals()
     try:
@@ -168,7 +168,9 @@ def launch(ns: argparse.Namespace) -> int:
         failures = sorted(err.failures.items())
         return documented_code([failure.exitcode for _, failure in failures])
     except SignalException as err:
-        if ns.stop_marker is not None and ns.stop_marker.exists():
+        # A marker from this launch (not an earlier one the workers will resume after).
+        marker = ns.stop_marker
+        if marker is not None and marker.exists() and marker.stat().st_mtime >= started:
             return RESUMABLE_STOP
         return 128 + int(err.sigval)
     return 0

@@ -284,7 +284,19 @@ def default_runtime(wildcards, attempt):
 
 
 def sft_runtime(wildcards, attempt):
-    return JOB["sft_runtime_min"] * attempt
+    return first_attempt_limit("sft", JOB["sft_runtime_min"] * attempt, attempt)
+
+
+def first_attempt_cap(key, stage, attempt):
+    """The configured cap `key` of a training stage's first attempt (0: none)."""
+    return config[key].get(stage, 0) if attempt == 1 else 0
+
+
+def first_attempt_limit(stage, runtime_min, attempt):
+    """`first_attempt_runtime_min` caps the first attempt's time limit, so the job meets
+    its limit (and the pre-timeout signal) while it trains, and the retry resumes."""
+    cap = first_attempt_cap("first_attempt_runtime_min", stage, attempt)
+    return min(runtime_min, cap) if cap else runtime_min
 
 
 def rss_mem_mb(rss_mb, attempt):
@@ -383,7 +395,8 @@ def dpo_runtime(wildcards, input, attempt):
     if probe is None:
         return default_runtime(wildcards, attempt)
     projected = probe["figures"]["projected_wall_s"] * JOB["runtime_margin"]
-    return math.ceil((projected + stop_reserve_s(probe)) / 60) * attempt
+    runtime = math.ceil((projected + stop_reserve_s(probe)) / 60) * attempt
+    return first_attempt_limit("dpo", runtime, attempt)
 
 
 def trainer_resume(wildcards, attempt):
@@ -392,7 +405,20 @@ def trainer_resume(wildcards, attempt):
     Params are fixed at a job's first attempt and never see `attempt`; resources are
     re-evaluated for each one, so the per-attempt stage flags are resources.
     """
+    require_retries_on_a_scheduler()
     return "true" if attempt > 1 else "false"
+
+
+def require_retries_on_a_scheduler():
+    """On a cluster a training stage stopped at its time limit exits 75 and only a retry
+    resumes it: refuse to submit one with no retries rather than lose the run."""
+    submitting = workflow.non_local_exec and not workflow.remote_exec
+    if submitting and workflow.execution_settings.retries < 1:
+        raise WorkflowError(
+            "training stages on a cluster need retries to resume after a stop (exit 75): "
+            "run with --workflow-profile profiles/slurm (retries, jobs, the image), or add "
+            "--retries 2"
+        )
 
 
 def time_limited():
@@ -404,13 +430,13 @@ def time_limited():
     return workflow.non_local_exec or workflow.remote_exec
 
 
-def wall_seconds(runtime_min, reserve_s, attempt):
+def wall_seconds(stage, runtime_min, reserve_s, attempt):
     """The trainer's budget (0: none): the job's time limit less the reserve.
 
     So the stage stops at a step boundary and saves before Slurm's SIGTERM and SIGKILL.
     `first_attempt_wall_s` caps the first attempt, which makes the resumed retry testable.
     """
-    cap = config["first_attempt_wall_s"] if attempt == 1 else 0
+    cap = first_attempt_cap("first_attempt_wall_s", stage, attempt)
     if not time_limited():
         return cap
     wall = math.floor(runtime_min * 60 - reserve_s)
@@ -425,11 +451,11 @@ def wall_seconds(runtime_min, reserve_s, attempt):
 def dpo_wall_s(wildcards, input, attempt):
     probe = receipt_json(input.probe)
     runtime = dpo_runtime(wildcards, input, attempt)
-    return wall_seconds(runtime, stop_reserve_s(probe), attempt)
+    return wall_seconds("dpo", runtime, stop_reserve_s(probe), attempt)
 
 
 def sft_wall_s(wildcards, attempt):
-    return wall_seconds(sft_runtime(wildcards, attempt), stop_reserve_s(None), attempt)
+    return wall_seconds("sft", sft_runtime(wildcards, attempt), stop_reserve_s(None), attempt)
 
 
 # --- selection and report ---

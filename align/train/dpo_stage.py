@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from align.train.session import build_trainer, export_policy, load_policy, start
 from align.train.stage_gates import GateContext
 from align.train.trainer import peak_rss_bytes
 from align.train.tripwires import Alarm, Tripwires
-from align.utils.dist import DistInfo, all_gather_floats, all_reduce_sum, any_rank
+from align.utils.dist import DistInfo, all_gather_floats, all_reduce_sum, any_rank, barrier
 
 
 def _ref(path: Path, key: dict[str, str], shard: PairShard) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +91,7 @@ def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInf
     info, _, _, model, trainer = _setup(cfg, ctx, ctx.arm.root / "probe_run", probe_cfg)
     tokens_per_s: list[float] = []
     trainer.fit(on_step=lambda m: tokens_per_s.append(m["tokens_per_s"]))
+    checkpoint_s = timed_save(trainer)
     rss, device_peaks = job_peaks(local_device_peak_mb(info))
     projected = ctx.projection.get("device", {}).get("allocated_mb")
     figures = probe_figures(
@@ -100,7 +103,20 @@ def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInf
         device_peaks,
         projected,
     )
-    return {**figures, "precision": model.precision}, info
+    placed = {"precision": model.precision, "devices": list(info.devices)}
+    return {**figures, "checkpoint_s": checkpoint_s, **placed}, info
+
+
+def timed_save(trainer) -> float:
+    """Seconds one real checkpoint of this model and optimizer takes to save; the probe's
+    checkpoint is removed after, as nothing resumes from it."""
+    started = time.perf_counter()
+    checkpoint = trainer.save()
+    seconds = time.perf_counter() - started
+    barrier()
+    if trainer.info.is_main:
+        shutil.rmtree(checkpoint.path)
+    return seconds
 
 
 def banner(cfg: ArmConfig, ctx: GateContext, model, info: DistInfo) -> str:
@@ -230,6 +246,7 @@ def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]
     figures: dict[str, Any] = {
         "world_size": info.world_size,
         "precision": model.precision,
+        "devices": list(info.devices),
         "banner": final["banner"] or first["banner"],
         "training": final["summary"],
         "final_config": {

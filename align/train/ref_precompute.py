@@ -212,6 +212,7 @@ def precompute_ref_cache(
         "tokens_per_s": computed_tokens / elapsed if computed_tokens else None,
         "key": key,
         "precision": model.precision,
+        "devices": list(info.devices),
     }
 
 
@@ -274,4 +275,4 @@ def run_path_bias(
     )
     cache_impl = key["forward_impl"]
     figures = path_bias_figures(errors, cfg.path_bias.tolerance, cache_impl, training_impl)
-    return {**figures, "precision": model.precision}, info
+    return {**figures, "precision": model.precision, "devices": list(info.devices)}, info

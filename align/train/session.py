@@ -4,6 +4,8 @@ launch checks, the sharded policy, the trainer over this rank's batches, the exp
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from pathlib import Path
 
 import torch
@@ -36,7 +38,10 @@ def start_session(run_dir: str | Path, run: RunConfig, batch: BatchConfig | None
     info = init_distributed(run_dir, run.device)
     if batch is not None:
         assert_launch_topology(batch, info.world_size)
-    assert_distinct_devices(info)
+    info = dataclasses.replace(info, devices=tuple(assert_distinct_devices(info)))
+    if info.is_main:
+        placed = ", ".join(f"{rank}={device}" for rank, device in enumerate(info.devices))
+        print(f"align: ranks on devices {placed}", file=sys.stderr, flush=True)
     torch.manual_seed(batch.seed if batch is not None else 0)
     return info
 

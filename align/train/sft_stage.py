@@ -47,6 +47,7 @@ def run_sft(cfg: SftConfig, paths: RunPaths) -> dict[str, Any]:
         "training": summary,
         "held_nll": mean_nll(model, held, cfg.eval.batch_size, info),
         "precision": model.precision,
+        "devices": list(info.devices),
     }, info
 
 
@@ -89,4 +90,5 @@ def evaluate_sft_gate(cfg: SftConfig, checkpoint: Path, run_dir: Path) -> dict[s
         "generations": generations,
         "passed": all(c["passed"] for c in checks.values()),
         "precision": model.precision,
+        "devices": list(info.devices),
     }

@@ -26,7 +26,7 @@ from align.config import TrainerConfig
 from align.exit_codes import AlignError, ResumableStop
 from align.receipts import write_json_atomic
 from align.train.checkpointing import CheckpointManager
-from align.utils.dist import DistInfo, all_reduce_sum, any_rank
+from align.utils.dist import DistInfo, all_reduce_sum, any_rank, barrier
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -92,6 +92,7 @@ class Trainer:
         self.stop = StopRequest()
         self.started = time.monotonic()
         self.resumed_from: str | None = None
+        self.resumed_after: dict[str, Any] | None = None  # the stop the resume follows
 
     @property
     def metrics_path(self) -> Path:
@@ -99,6 +100,9 @@ class Trainer:
 
     def prepare(self) -> None:
         """Resume from the newest valid checkpoint, or rotate stale ones away for a fresh run."""
+        if self.cfg.resume and self.stop_marker.is_file():
+            self.resumed_after = json.loads(self.stop_marker.read_text())
+        barrier()
         if self.info.is_main:
             self.stop_marker.unlink(missing_ok=True)
         latest = self.checkpoints.latest() if self.cfg.resume else None
@@ -255,7 +259,12 @@ class Trainer:
         """Tells the launcher the stop was clean and resumable."""
         if self.info.is_main:
             write_json_atomic(
-                self.stop_marker, {"step": self.state.step, "checkpoint": str(checkpoint)}
+                self.stop_marker,
+                {
+                    "step": self.state.step,
+                    "checkpoint": str(checkpoint),
+                    "reason": self._stop_reason(),
+                },
             )
 
     def _log(self, metrics: dict[str, Any]) -> None:
@@ -270,6 +279,7 @@ class Trainer:
             "micro_steps": self.state.micro_step,
             "skipped_steps": self.state.skipped_steps,
             "resumed_from": self.resumed_from,
+            "resumed_after": self.resumed_after,
             "final": self.last_metrics,
         }
 
