@@ -218,10 +218,18 @@ class RunConfig:
     # The site's ranks (GPUs) per node, for arms that pre-register none; 0: one node.
     gpus_per_node: int = 0
     threads: int = 2
+    # Two heavy stages outside a scheduler never share this host: wait, refuse, or off.
+    # Inside a Slurm job the scheduler owns the node and no lock is taken.
     heavy_lock: str = "wait"
-    heavy_lock_path: str = "/tmp/align-heavy.lock"
+    # Empty: one lock per user in the temporary directory, so users never block each other.
+    heavy_lock_path: str = ""
     expected_host: str = ""
     require_off_root: bool = False
+    # MiB of the node a job will run on, when it is not this host (the workflow passes the
+    # partition's figure to the preflight on the submit host); 0: this host's memory.
+    node_memory_mb: float = 0.0
+    # Where node_memory_mb came from, for the preflight receipt.
+    node_memory_source: str = ""
 
 
 @dataclass

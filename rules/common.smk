@@ -3,6 +3,8 @@
 # (stdlib only, so this costs milliseconds).
 import json
 import math
+import shlex
+import subprocess
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
@@ -273,6 +275,67 @@ def slurm_partition(on_gpu):
     return config["slurm_partition"] or None
 
 
+def node_memory_overrides(wildcards):
+    """The preflight runs on the submit host but judges the node the job will run on: its
+    memory from the workflow config (slurm_node_memory_mb, by partition), else from
+    Slurm's record of the partition's smallest node. A local run's jobs run here, and the
+    preflight measures this host itself."""
+    if not workflow.non_local_exec:
+        return ""
+    partition = (
+        slurm_partition(arm_layout(wildcards)[1] == "cuda") or default_partition()
+    )
+    configured = config["slurm_node_memory_mb"]
+    if partition in configured:
+        mb, source = (
+            configured[partition],
+            f"slurm_node_memory_mb[{partition}] (workflow config)",
+        )
+    else:
+        mb = partition_node_memory_mb(partition)
+        source = f"scontrol: smallest RealMemory of partition {partition}"
+    return f"--run.node_memory_mb={mb} --run.node_memory_source={shlex.quote(source)}"
+
+
+def scontrol(*args):
+    try:
+        return subprocess.run(
+            ["scontrol", "--oneliner", *args],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise WorkflowError(
+            f"scontrol {' '.join(args)} failed ({err}); set slurm_node_memory_mb in the "
+            "workflow config for the partitions the jobs use"
+        ) from err
+
+
+def slurm_fields(line):
+    return dict(part.split("=", 1) for part in line.split() if "=" in part)
+
+
+def default_partition():
+    for line in scontrol("show", "partition").splitlines():
+        fields = slurm_fields(line)
+        if fields.get("Default") == "YES":
+            return fields["PartitionName"]
+    raise WorkflowError("Slurm names no default partition: set slurm_partition")
+
+
+def partition_node_memory_mb(partition):
+    nodes = slurm_fields(scontrol("show", "partition", partition)).get("Nodes", "")
+    memory = [
+        int(slurm_fields(line)["RealMemory"])
+        for line in scontrol("show", "node", nodes).splitlines()
+        if "RealMemory=" in line
+    ]
+    if not memory:
+        raise WorkflowError(f"scontrol shows no node memory for partition {partition}")
+    return min(memory)
+
+
 def default_mem_mb(wildcards, attempt):
     """Jobs that no receipt sizes."""
     return JOB["mem_mb"] * attempt
@@ -455,7 +518,9 @@ def dpo_wall_s(wildcards, input, attempt):
 
 
 def sft_wall_s(wildcards, attempt):
-    return wall_seconds("sft", sft_runtime(wildcards, attempt), stop_reserve_s(None), attempt)
+    return wall_seconds(
+        "sft", sft_runtime(wildcards, attempt), stop_reserve_s(None), attempt
+    )
 
 
 # --- selection and report ---

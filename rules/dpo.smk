@@ -1,5 +1,5 @@
 rule preflight:
-    """RSS projection of the job for the optimizer it runs, against the host (exit 6)."""
+    """RSS projection of the job for the optimizer it runs, against its node (exit 6)."""
     input:
         script=SCRIPTS / "preflight.py",
         path_bias=PATHS.results / "{arm}" / "path_bias.json",
@@ -15,8 +15,9 @@ rule preflight:
         CONTAINER
     params:
         run=RUN_OVERRIDES,
+        node=node_memory_overrides,
     shell:
-        "python {input.script} {input.config} {params.run} > {log} 2>&1"
+        "python {input.script} {input.config} {params.run} {params.node} > {log} 2>&1"
 
 
 rule probe:

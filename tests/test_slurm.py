@@ -312,6 +312,16 @@ def test_model_loading_jobs_ask_for_their_stage_projection(slurm_run):
     assert {"load_staging_rank0", "export_gather_rank0"} <= sft_terms.keys()
 
 
+def test_the_preflight_judged_the_compute_node_not_the_submit_host(slurm_run):
+    figures = slurm_run.receipt(RunPaths.of("results").arm(ARM).preflight)["figures"]
+    assert figures["node_memory_source"] == "scontrol: smallest RealMemory of partition cpu"
+    shown = subprocess.run(
+        ["scontrol", "--oneliner", "show", "node"], capture_output=True, text=True, check=True
+    )
+    real = {int(m) for m in re.findall(r"RealMemory=(\d+)", shown.stdout)}
+    assert figures["available_mb"] == min(real), (figures, real)
+
+
 def test_probe_memory_is_the_preflight_projection_plus_margin(slurm_run):
     preflight = slurm_run.receipt(RunPaths.of("results").arm(ARM).preflight)
     (probe,) = slurm_run.of_rule("probe")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from align.config import ArmConfig, ModelConfig, PreflightConfig
+from align.config import ArmConfig, ModelConfig, PreflightConfig, RunConfig
 from align.exit_codes import PreflightRefused
 from align.model.hf_config import MistralConfig, load_hf_config
 from align.model.weights_hash import checkpoint_tensors
@@ -324,20 +324,30 @@ def host_available_mb() -> float:
     return (available or 0) / MIB
 
 
+def node_memory(run: RunConfig) -> tuple[float, str]:
+    """(MiB, where the figure came from) of the node the job runs on: what the workflow
+    passed (a per-partition setting, or Slurm's record of the partition's nodes), else
+    this host's available memory, for a job that runs here."""
+    if run.node_memory_mb:
+        return run.node_memory_mb, run.node_memory_source or "run.node_memory_mb"
+    return host_available_mb(), "this host's MemAvailable (or cgroup headroom)"
+
+
 def check_projection(
-    projection: dict[str, Any], fraction: float, available_mb: float | None = None
+    projection: dict[str, Any], fraction: float, available_mb: float, source: str
 ) -> dict:
-    """Refuse (exit 6) a projection over `fraction` of the host's available memory."""
-    available = host_available_mb() if available_mb is None else available_mb
-    budget = fraction * available
-    if projection["total_mb"] > budget:
+    """Refuse (exit 6) a projection whose fullest node exceeds `fraction` of the node's memory."""
+    budget = fraction * available_mb
+    if projection["node_mb"] > budget:
         terms = ", ".join(f"{k} {v:.0f}" for k, v in projection["terms_mb"].items())
         raise PreflightRefused(
-            f"projected job RSS {projection['total_mb']:.0f} MiB for optimizer {projection['optimizer']} exceeds "
-            f"{fraction:.0%} of available host memory {available:.0f} MiB ({terms} MiB)"
+            f"projected RSS {projection['node_mb']:.0f} MiB per node ({projection['nodes']} "
+            f"node(s)) for optimizer {projection['optimizer']} exceeds {fraction:.0%} of the "
+            f"node's {available_mb:.0f} MiB ({source}); job terms: {terms} MiB"
         )
     return {
-        "available_mb": available,
+        "available_mb": available_mb,
+        "node_memory_source": source,
         "budget_mb": budget,
-        "headroom_mb": budget - projection["total_mb"],
+        "headroom_mb": budget - projection["node_mb"],
     }

@@ -25,6 +25,7 @@ from align.train.memory import (
     check_projection,
     device_memory_mb,
     job_shape,
+    node_memory,
     projected_device_memory,
     projected_job_rss,
 )
@@ -197,7 +198,9 @@ def _gate_preflight(ctx: GateContext) -> dict[str, Any]:
     shard_bytes = sum(Path(ctx.entry["shards"][s]["path"]).stat().st_size for s in SPLITS)
     nodes = topology(cfg.batch.world_size, cfg.batch.gpus_per_node, cfg.run.gpus_per_node).nodes
     ctx.projection = projected_job_rss(job_shape("dpo", cfg, nodes), ctx.checkpoint, shard_bytes)
-    host = check_projection(ctx.projection, cfg.preflight.host_memory_fraction)
+    host = check_projection(
+        ctx.projection, cfg.preflight.host_memory_fraction, *node_memory(cfg.run)
+    )
     ctx.projection.update(host, master_updates=master_updates)
     shown = {
         "projected_mb": round(ctx.projection["total_mb"]),
