@@ -28,6 +28,8 @@ TINY_TOML = str(Path(workflow.basedir) / config["tiny_config"])
 SELECTION_TOML = str(Path(workflow.basedir) / config["selection_config"])
 REPORT = ReportPaths.of(PATHS)
 TINY_DIR = Path(config["tiny_dir"])
+# The Triton kernel whose equivalence receipt fa2 arms need (rule kernel_gate).
+KERNEL_SOURCE = Path(workflow.basedir) / "align" / "kernels" / "flash_attn.py"
 BASE_MODEL = Path(config["base_model"])
 CHECKPOINT_FILES = (
     "config.json",
@@ -106,6 +108,21 @@ def ref_overrides(wildcards):
     path = parse_forward_impl(wildcards.forward_impl)
     path["share_prompt"] = str(path["share_prompt"]).lower()
     return " ".join(f"--ref.{key}={value}" for key, value in path.items())
+
+
+def uses_fa2(cfg):
+    return "triton_fa2" in (cfg.model.attn_implementation, cfg.ref.attn_implementation)
+
+
+def kernel_receipts(wildcards):
+    """The kernel's equivalence receipt, for the stages of an arm that runs triton_fa2."""
+    return [PATHS.kernel_receipt] if uses_fa2(arm_cfg(wildcards.arm)) else []
+
+
+def kernel_gate_layout(wildcards):
+    """One process on the device of the run's fa2 arms (the CPU only under the interpreter)."""
+    devices = {arm_cfg(arm).run.device for arm in ARMS if uses_fa2(arm_cfg(arm))}
+    return Topology(nodes=1, per_node=1), ("cuda" if "cuda" in devices else "cpu")
 
 
 def per_rank_threads(ranks):

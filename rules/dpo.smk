@@ -27,6 +27,7 @@ rule probe:
         preflight=PATHS.results / "{arm}" / "preflight.json",
         caches=caches_in_use,
         config=lambda w: arm_toml(w.arm),
+        kernel=kernel_receipts,
     output:
         PATHS.results / "{arm}" / "probe.json",
     log:
@@ -57,6 +58,7 @@ rule dpo:
         probe=PATHS.results / "{arm}" / "probe.json",
         caches=caches_in_use,
         config=lambda w: arm_toml(w.arm),
+        kernel=kernel_receipts,
     output:
         PATHS.results / "{arm}" / "arm_result.json",
     log:

@@ -10,6 +10,7 @@ rule ref_cache:
         manifest=PATHS.manifest,
         shards=lambda w: arm_shards(w.arm),
         config=lambda w: arm_toml(w.arm),
+        kernel=kernel_receipts,
     output:
         train=PATHS.results / "{arm}" / "ref" / "{forward_impl}" / "train.safetensors",
         held=PATHS.results / "{arm}" / "ref" / "{forward_impl}" / "held.safetensors",
@@ -42,6 +43,7 @@ checkpoint path_bias:
         script=SCRIPTS / "precompute_ref_logprobs.py",
         caches=preregistered_ref_caches,
         config=lambda w: arm_toml(w.arm),
+        kernel=kernel_receipts,
     output:
         PATHS.results / "{arm}" / "path_bias.json",
     log:

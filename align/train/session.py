@@ -5,6 +5,7 @@ launch checks, the sharded policy, the trainer over this rank's batches, the exp
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -14,8 +15,10 @@ from align.config import BatchConfig, ModelConfig, OptimizerConfig, RunConfig, T
 from align.data.loader import BatchSource, PairShard
 from align.data.sampler import StepSampler
 from align.exit_codes import ConfigError
+from align.kernels.equivalence import RECEIPT_ENV
 from align.model.checkpoint import save_hf_state
 from align.model.hf_config import load_hf_config
+from align.paths import RunPaths
 from align.train.fsdp import gather_full_state, load_sharded
 from align.train.optim import (
     assert_horizon_consistent,
@@ -34,7 +37,9 @@ from align.utils.dist import (
 
 
 def start_session(run_dir: str | Path, run: RunConfig, batch: BatchConfig | None) -> DistInfo:
-    """Join the process group; refuse a launch whose topology or devices are wrong."""
+    """Join the process group; refuse a launch whose topology or devices are wrong. An
+    attention kernel that needs an equivalence receipt reads the one the workflow wrote."""
+    os.environ[RECEIPT_ENV] = str(RunPaths.of(run.results_dir).kernel_receipt)
     info = init_distributed(run_dir, run.device)
     if batch is not None:
         assert_launch_topology(batch, info.world_size)
