@@ -230,7 +230,7 @@ def test_bfloat16_shared_training_recomputes_the_cache_with_its_layout_and_train
     result = load_receipt(arm.arm_result, "dpo", stage="dpo")
     for split in SPLITS:
         cache = arm.ref_cache(TRAINING_IMPL, split)
-        assert result["caches"][split] == str(cache.relative_to(work))
+        assert result["caches"][split] == str(cache.relative_to(work / "results"))
         key = read_cache_key(cache)
         assert (key["forward_impl"], key["dtype"]) == (TRAINING_IMPL, "bfloat16"), key
     assert result["path_bias"]["action"] == RECOMPUTE
