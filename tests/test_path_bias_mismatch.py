@@ -15,6 +15,8 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +27,9 @@ from tiny_pairs import write_tiny_pairs
 
 from align.config import ArmConfig, RefConfig, RunConfig, apply_overrides
 from align.data.loader import PairShard
+from align.exit_codes import GATE_REFUSED
 from align.losses.dpo import dpo_objective
+from align.model.weights_hash import read_safetensors_header
 from align.paths import SPLITS, RunPaths
 from align.receipts import load_receipt, read_json
 from align.train.dpo_stage import dpo_objective_of
@@ -239,3 +243,23 @@ def test_bfloat16_shared_training_recomputes_the_cache_with_its_layout_and_train
     built = read_json(arm.ref_receipt(TRAINING_IMPL))
     assert built["figures"]["train"]["key"]["forward_impl"] == TRAINING_IMPL
     assert built["figures"]["train"]["world_size"] == 2
+
+    # The recomputed cache's bytes are checked too: one flipped bit is refused at path_bias.
+    cache = arm.ref_cache(TRAINING_IMPL, "held")
+    data = bytearray(cache.read_bytes())
+    data[read_safetensors_header(cache)["chosen_logps"].begin] ^= 0x01
+    cache.write_bytes(bytes(data))
+    dpo, toml = REPO / "workflow" / "scripts" / "dpo.py", work.parent / "arms" / f"{ARM}.toml"
+    gates = subprocess.run(
+        [sys.executable, str(dpo), str(toml), "--gates-only"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert gates.returncode == GATE_REFUSED, gates.stderr[-3000:]
+    recorded = built["caches"]["held"]["tensors_hash"]
+    assert (
+        f"gate path_bias: {cache.relative_to(work)}: tensor bytes hash expected {recorded[:12]}"
+        in gates.stderr
+    ), gates.stderr[-3000:]
