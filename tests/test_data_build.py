@@ -253,6 +253,50 @@ def test_truncated_json_line_names_the_line(tmp_path):
     assert "not valid JSON" in message
 
 
+NON_FINITE = [float("nan"), float("inf"), float("-inf")]
+
+
+def write_arrow_parquet(path: Path, rows: list[dict]) -> Path:
+    """Parquet through pyarrow alone: pandas would store a NaN as null."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    ("kind", "unit"), [("jsonl", "line"), ("parquet", "row")], ids=["jsonl", "parquet"]
+)
+def test_non_finite_score_is_refused_naming_file_row_column_and_value(tmp_path, kind, unit, value):
+    # json reads NaN / Infinity literals as floats; min_chosen_score would drop them quietly.
+    rows = [ARGILLA_ROWS[0], {**ARGILLA_ROWS[1], "chosen_score": value}]
+    writer = write_jsonl if kind == "jsonl" else write_arrow_parquet
+    path = writer(tmp_path / f"d.{kind}", rows)
+    if kind == "jsonl":
+        assert ("NaN" if value != value else "Infinity") in path.read_text()
+    message = bad_input([path], "argilla")
+    assert f"{path} {unit} 2: column 'chosen_score' expected a finite number, found {value!r}" in (
+        message
+    )
+
+
+def test_non_finite_score_stops_the_build_instead_of_failing_the_filter(tmp_path, tokenizer):
+    rows = [{**ARGILLA_ROWS[0], "input": f"q{i}"} for i in range(5)]
+    rows[3]["chosen_score"] = float("nan")
+    path = write_jsonl(tmp_path / "argilla.jsonl", rows)
+    cfg = load_config(
+        ARMS / "argilla.toml",
+        ArmConfig,
+        [f"--data.files={json.dumps([str(path)])}", "--min_pairs=1"],
+    ).cfg
+    with pytest.raises(BadInputData) as err:
+        prepare_arm(cfg, tokenizer)
+    assert err.value.exit_code == BAD_INPUT
+    assert f"{path} line 4: column 'chosen_score'" in str(err.value)
+
+
 def test_json_line_that_is_not_an_object_is_refused(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('["p", "c", "r"]\n')
@@ -591,7 +635,8 @@ def test_build_arm_writes_shards_and_receipts_whose_counts_match(
         shard = read_shard(paths.shard(split))
         n = len(shard["pair_id"])
         assert n == counts[split] == entry["shards"][split]["pairs"]
-        assert entry["shards"][split]["path"] == str(paths.shard(split))
+        # Named relative to the results directory, so a moved run finds its own shards.
+        assert entry["shards"][split]["path"] == f"data/{arm}/{split}/pairs.safetensors"
         assert entry["shards"][split]["hash"] == hash_file(paths.shard(split))
         assert read_json(paths.shard_receipt(split)) == {
             "arm": arm,
@@ -1232,8 +1277,10 @@ def stub_sft_gate(results: Path, checkpoint: Path) -> None:
 
 
 def run_build(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    # The stub gate's checkpoint lies outside results/: the run must name it.
+    sft_checkpoint = "--run.sft_checkpoint=resources/tiny/tokenizer"
     return subprocess.run(
-        [sys.executable, str(BUILD_SCRIPT), *args],
+        [sys.executable, str(BUILD_SCRIPT), *args, sft_checkpoint],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -1311,11 +1358,11 @@ def test_manifest_records_the_pins(default_workdir, default_build):
             cfg.data.format,
         )
         source = default_workdir / cfg.data.files[0]
-        assert entry["sources"] == {cfg.data.files[0]: hash_file(source)}
+        assert entry["sources"] == {str(source): hash_file(source)}
         assert 0.0 <= entry["chosen_longer_fraction"] <= 1.0
         for split in SPLITS:
             shard = entry["shards"][split]
-            assert shard["hash"] == hash_file(default_workdir / shard["path"])
+            assert shard["hash"] == hash_file(default_workdir / "results" / shard["path"])
             assert set(shard) >= {
                 "tokens_hash",
                 "pairs",
@@ -1408,7 +1455,9 @@ def test_manifest_gate_refuses_a_changed_shard_and_an_absent_arm(
 ):
     monkeypatch.chdir(default_workdir)
     assert "arm 'other' absent" in refusal(default_workdir, "argilla", "--arm=other")
-    shard = Path(default_build["arms"]["steppairs"]["shards"]["held"]["path"])
+    shard = (
+        default_workdir / "results" / default_build["arms"]["steppairs"]["shards"]["held"]["path"]
+    )
     original = shard.read_bytes()
     try:
         shard.write_bytes(original[:-4] + b"\0\0\0\0")

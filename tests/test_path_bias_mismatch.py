@@ -15,6 +15,8 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +27,9 @@ from tiny_pairs import write_tiny_pairs
 
 from align.config import ArmConfig, RefConfig, RunConfig, apply_overrides
 from align.data.loader import PairShard
-from align.exit_codes import AlignError
+from align.exit_codes import GATE_REFUSED, AlignError
 from align.losses.dpo import dpo_objective
+from align.model.weights_hash import read_safetensors_header
 from align.paths import SPLITS, RunPaths
 from align.receipts import load_receipt, read_json
 from align.train.dpo_stage import dpo_objective_of
@@ -250,7 +253,7 @@ def test_bfloat16_shared_training_recomputes_the_cache_with_its_layout_and_train
     result = load_receipt(arm.arm_result, "dpo", stage="dpo")
     for split in SPLITS:
         cache = arm.ref_cache(TRAINING_IMPL, split)
-        assert result["caches"][split] == str(cache.relative_to(work))
+        assert result["caches"][split] == str(cache.relative_to(work / "results"))
         key = read_cache_key(cache)
         assert (key["forward_impl"], key["dtype"]) == (TRAINING_IMPL, "bfloat16"), key
     assert result["path_bias"]["action"] == RECOMPUTE
@@ -268,3 +271,23 @@ def test_bfloat16_shared_training_recomputes_the_cache_with_its_layout_and_train
         assert (precision["compute"], precision["master"]) == ("bfloat16", "float32")
         assert precision["read_back"]["linear_outputs"] == ["bfloat16"]
     assert "compute bfloat16, master float32" in result["figures"]["banner"]
+
+    # The recomputed cache's bytes are checked too: one flipped bit is refused at path_bias.
+    cache = arm.ref_cache(TRAINING_IMPL, "held")
+    data = bytearray(cache.read_bytes())
+    data[read_safetensors_header(cache)["chosen_logps"].begin] ^= 0x01
+    cache.write_bytes(bytes(data))
+    dpo, toml = REPO / "workflow" / "scripts" / "dpo.py", work.parent / "arms" / f"{ARM}.toml"
+    gates = subprocess.run(
+        [sys.executable, str(dpo), str(toml), "--gates-only"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert gates.returncode == GATE_REFUSED, gates.stderr[-3000:]
+    recorded = built["caches"]["held"]["tensors_hash"]
+    assert (
+        f"gate path_bias: {cache.relative_to(work)}: tensor bytes hash expected {recorded[:12]}"
+        in gates.stderr
+    ), gates.stderr[-3000:]

@@ -47,7 +47,8 @@ def test_every_receipt_is_passed_and_its_hashes_hold(workdir, monkeypatch):
         assert counts["read"] == counts["kept"] + sum(counts["removed"].values())
         assert counts["kept"] == counts["train"] + counts["held"]
         for split in SPLITS:
-            assert hash_file(entry["shards"][split]["path"]) == entry["shards"][split]["hash"]
+            shard = entry["shards"][split]
+            assert hash_file(paths.results / shard["path"]) == shard["hash"]
         result = load_receipt(paths.arm(arm).arm_result, "dpo", stage="dpo")
         assert result["status"] == PASSED
         assert [g["gate"] for g in result["gates"]] == list(GATE_NAMES)

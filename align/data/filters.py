@@ -56,7 +56,7 @@ def rejection_reason(record: PreferenceRecord, cfg: FilterConfig) -> str | None:
         return "status_excluded"
     if cfg.min_chosen_score is not None:
         score = _meta(record, "chosen_score", "min_chosen_score")
-        # A null or NaN score is no evidence the pair clears the bar.
+        # A null score is no evidence the pair clears the bar (the readers refuse a NaN).
         if score is None or not score >= cfg.min_chosen_score:
             return "chosen_score_below_min"
     if cfg.exclude_in_gsm8k_train and _meta(record, "in_gsm8k_train", "exclude_in_gsm8k_train"):

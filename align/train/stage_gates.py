@@ -1,7 +1,8 @@
 """Gates the arm stages re-check before loading a model (no torch).
 
 Each gate reads a receipt, verifies what it depends on, and raises `GateRefused`
-naming the gate, the file and the expected vs found value.
+naming the gate, the file and the expected vs found value. The files a receipt
+names are resolved against the results directory in use (`RunPaths.resolve`).
 """
 
 from __future__ import annotations
@@ -30,21 +31,26 @@ from align.train.memory import (
     projected_job_rss,
 )
 from align.train.path_bias import RECOMPUTE, required_forward_impl
-from align.train.ref_cache import check_key, expected_key, ref_forward_impl
+from align.train.ref_cache import (
+    TENSORS_HASH,
+    check_key,
+    check_tensors,
+    expected_key,
+    ref_forward_impl,
+)
 
 
 def sft_gate(paths: RunPaths) -> dict[str, Any]:
-    """The SFT quality receipt passed; returns it (its `checkpoint` is the one to use)."""
+    """The SFT quality receipt passed; returns it with its `checkpoint` (the one to use) resolved."""
     receipt = load_receipt(paths.sft_gate, "sft_gate", stage="sft_gate")
     if receipt.get("status") != PASSED or receipt.get("passed") is not True:
         raise GateRefused(
             "sft_gate", f"{paths.sft_gate}: expected passed=true, found {receipt.get('passed')!r}"
         )
-    if not Path(receipt["checkpoint"]).is_dir():
-        raise GateRefused(
-            "sft_gate", f"{paths.sft_gate}: checkpoint {receipt['checkpoint']} does not exist"
-        )
-    return receipt
+    checkpoint = paths.resolve(receipt["checkpoint"], "sft_gate", paths.sft_gate)
+    if not checkpoint.is_dir():
+        raise GateRefused("sft_gate", f"{paths.sft_gate}: checkpoint {checkpoint} does not exist")
+    return {**receipt, "checkpoint": str(checkpoint)}
 
 
 def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> dict[str, Any]:
@@ -53,6 +59,7 @@ def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> d
     Compared: the train / held counts with data.expected_*_pairs, every `[data]`
     choice that shapes the shards (format, seq_len, truncation, filters, ...), the
     tokenizer hash with that of the SFT checkpoint `checkpoint`, and each shard's hash.
+    The entry is returned with its shard paths resolved.
     """
     manifest = load_receipt(paths.manifest, "manifest", stage="build_manifest")
     arms = manifest.get("arms", {})
@@ -86,9 +93,13 @@ def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> d
         tokenizer_hash(checkpoint),
         pins.get("tokenizer_hash"),
     )
+    shards = {}
     for split in SPLITS:
-        verify_hash("manifest", entry["shards"][split]["path"], entry["shards"][split]["hash"])
-    return {**entry, "pins": pins}
+        shard = entry["shards"][split]
+        path = paths.resolve(shard["path"], "manifest", paths.manifest)
+        verify_hash("manifest", path, shard["hash"])
+        shards[split] = {**shard, "path": str(path)}
+    return {**entry, "shards": shards, "pins": pins}
 
 
 def _flat(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -154,7 +165,10 @@ def _gate_sft(ctx: GateContext) -> dict[str, Any]:
     receipt = sft_gate(ctx.paths)
     ctx.checkpoint = receipt["checkpoint"]
     ctx.checkpoint_weights = trusted_checkpoint_hash(receipt)
-    return {"checkpoint": ctx.checkpoint, "weights": ctx.checkpoint_weights[:12]}
+    return {
+        "checkpoint": ctx.paths.recorded(ctx.checkpoint),
+        "weights": ctx.checkpoint_weights[:12],
+    }
 
 
 def _gate_manifest(ctx: GateContext) -> dict[str, Any]:
@@ -163,13 +177,26 @@ def _gate_manifest(ctx: GateContext) -> dict[str, Any]:
     return {"status": ctx.entry["status"], "train": counts["train"], "held": counts["held"]}
 
 
-def _gate_ref_cache(ctx: GateContext) -> dict[str, Any]:
-    ref = ctx.cfg.ref
-    impl = ref_forward_impl(ref)
+def use_caches(ctx: GateContext, impl: str, dtype: str, gate: str) -> None:
+    """Check the caches of forward path `impl` (key, then tensor bytes) and make them the ones in use."""
     for split in SPLITS:
-        key = ctx.cache_key(split, impl, ref.dtype)
-        check_key(ctx.arm.ref_cache(impl, split), key)
+        key = ctx.cache_key(split, impl, dtype)
+        check_key(ctx.arm.ref_cache(impl, split), key, gate=gate)
         ctx.caches[split] = (ctx.arm.ref_cache(impl, split), key)
+    path = ctx.arm.ref_receipt(impl)
+    receipt = load_receipt(path, gate, stage="ref_cache")
+    for split in SPLITS:
+        recorded = receipt.get("caches", {}).get(split, {}).get(TENSORS_HASH)
+        if not isinstance(recorded, str):
+            raise GateRefused(
+                gate, f"{path}: expected caches.{split}.{TENSORS_HASH}, found {recorded!r}"
+            )
+        check_tensors(ctx.arm.ref_cache(impl, split), recorded, path, gate)
+
+
+def _gate_ref_cache(ctx: GateContext) -> dict[str, Any]:
+    impl = ref_forward_impl(ctx.cfg.ref)
+    use_caches(ctx, impl, ctx.cfg.ref.dtype, "ref_cache")
     return {"forward_impl": impl}
 
 
@@ -184,10 +211,7 @@ def _gate_path_bias(ctx: GateContext) -> dict[str, Any]:
         )
     impl = required_forward_impl(report)
     if figures["action"] == RECOMPUTE:
-        for split in SPLITS:
-            key = ctx.cache_key(split, impl, ctx.cfg.model.dtype)
-            check_key(ctx.arm.ref_cache(impl, split), key, gate="path_bias")
-            ctx.caches[split] = (ctx.arm.ref_cache(impl, split), key)
+        use_caches(ctx, impl, ctx.cfg.model.dtype, "path_bias")
     ctx.path_bias = figures
     return {"action": figures["action"], "ratio": round(figures["ratio"], 4), "cache": impl}
 

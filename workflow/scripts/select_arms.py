@@ -68,7 +68,7 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
     figures = paired.policy_figures(scores, cfg.paired, cfg.generation.max_new_tokens)
     eval_set = {
         "name": cfg.paired.eval_set,
-        "path": str(work.eval_set),
+        "path": paths.recorded(work.eval_set),
         "hash": hash_file(work.eval_set),
         **union,
         "response_tokens": paired.response_lengths(arrays),
@@ -80,7 +80,7 @@ def main() -> None:
     args = parse_stage_args(sys.argv[1:], n_configs=None)
     selection_toml, *arm_tomls = args.configs
     loaded = load_config(selection_toml, SelectionConfig, args.overrides)
-    cfg, paths = loaded.cfg, RunPaths.of(loaded.cfg.run.results_dir)
+    cfg, paths = loaded.cfg, RunPaths.of_config(loaded.cfg)
     arms = [load_config(path, ArmConfig).cfg.arm for path in arm_tomls]
     sel.check_selection_config(cfg, arms, str(selection_toml))
     stage = Stage("select_arms")
@@ -98,19 +98,29 @@ def main() -> None:
     # measured arm is still seen beside the others; only the decision skips it.
     scored = [arm for arm in arms if standings[arm]["measured"] and results[arm].get("policy")]
     # Arms first, so each comparison with the SFT policy reads "arm - sft".
-    policies = {**{arm: results[arm]["policy"] for arm in scored}, sel.SFT: gate["checkpoint"]}
+    policies = {
+        **{
+            arm: str(paths.resolve(results[arm]["policy"], "arm_result", paths.arm(arm).arm_result))
+            for arm in scored
+        },
+        sel.SFT: gate["checkpoint"],
+    }
 
     cap_threads(cfg.run.threads)
     from align.utils.dist import destroy_distributed
 
     figures = score_everything(cfg, paths, sources, manifest["pins"], policies)
     decision = sel.decide(cfg.rule, cfg.default_arm, standings, figures["comparisons"])
+    recorded = paths.recorded
     inputs = {
-        str(paths.sft_gate): hash_file(paths.sft_gate),
-        gate["checkpoint"]: sft_hash,
-        str(paths.manifest): hash_file(paths.manifest),
-        **{src["path"]: src["hash"] for src in sources.values()},
-        **{str(paths.arm(arm).arm_result): hash_file(paths.arm(arm).arm_result) for arm in arms},
+        recorded(paths.sft_gate): hash_file(paths.sft_gate),
+        recorded(gate["checkpoint"]): sft_hash,
+        recorded(paths.manifest): hash_file(paths.manifest),
+        **{recorded(src["path"]): src["hash"] for src in sources.values()},
+        **{
+            recorded(paths.arm(arm).arm_result): hash_file(paths.arm(arm).arm_result)
+            for arm in arms
+        },
         **{
             results[arm]["policy"]: results[arm]["outputs"][results[arm]["policy"]]
             for arm in scored
