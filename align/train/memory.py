@@ -219,7 +219,7 @@ class JobShape:
     model: ModelConfig
     optimizer: str
     rows: int  # rows of one forward
-    seq_len: int
+    seq_len: int  # 0: as long as the model's positions (no pre-registered seq_len)
     preflight: PreflightConfig
 
 
@@ -243,15 +243,13 @@ def job_shape(stage: str, cfg: Any, nodes: int = 1) -> JobShape:
         model=cfg.model,
         optimizer=cfg.optimizer.name if trains else "",
         rows=rows,
-        seq_len=data.seq_len if data is not None else DEFAULT_SCORED_LENGTH,
+        seq_len=data.seq_len if data is not None else 0,
         preflight=getattr(cfg, "preflight", PreflightConfig()),
     )
 
 
 # sft_gate and select_arms score in one process whatever the training topology.
 SINGLE_PROCESS = ("sft_gate", "select_arms")
-# Rows scored by selection have no pre-registered seq_len; this bounds them.
-DEFAULT_SCORED_LENGTH = 2048
 
 
 def projected_job_rss(shape: JobShape, checkpoint: str | Path, shard_bytes: int) -> dict[str, Any]:
@@ -276,7 +274,7 @@ def projected_job_rss(shape: JobShape, checkpoint: str | Path, shard_bytes: int)
             else 0.0
         ),
         "gathered_layer": 2 * counts["layer"] * compute if on_cpu else 0.0,
-        "activations": _cpu_activations(shape, config) if on_cpu else 0.0,
+        "activations": _cpu_activations(shape, load, config) if on_cpu else 0.0,
         "data_shards": float(shard_bytes),
         "runtime": shape.preflight.rank_overhead_mb * MIB,
     }
@@ -303,12 +301,13 @@ def projected_job_rss(shape: JobShape, checkpoint: str | Path, shard_bytes: int)
     }
 
 
-def _cpu_activations(shape: JobShape, config: MistralConfig) -> float:
-    """Saved activations of one forward's rows on the CPU, plus its logits."""
-    tokens = shape.rows * shape.seq_len
+def _cpu_activations(shape: JobShape, load: StageLoad, config: MistralConfig) -> float:
+    """Activations of one forward's rows on the CPU, plus its logits: every layer's, kept
+    for backward, when the stage trains; one layer's at a time when it only scores."""
+    tokens = shape.rows * (shape.seq_len or config.max_position_embeddings)
     per_layer = shape.preflight.activation_factor * tokens * config.hidden_size * 4
     logits = 3 * tokens * config.vocab_size * 4
-    return config.num_hidden_layers * per_layer + logits
+    return (config.num_hidden_layers if load.trains else 1) * per_layer + logits
 
 
 def host_available_mb() -> float:
