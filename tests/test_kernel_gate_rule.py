@@ -37,6 +37,18 @@ def fa2_arms(tmp_path: Path) -> Path:
     return arms
 
 
+def precompute(work: Path, out: str, overrides: list[str], env: dict[str, str]):
+    """The reference precompute of the tiny checkpoint in `work`, as a stage runs it there."""
+    return subprocess.run(
+        [sys.executable, str(PRECOMPUTE), str(work), str(work / out), *overrides],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **env},
+    )
+
+
 def test_the_kernel_gate_rule_is_in_the_dry_run_of_an_fa2_arm_only(tmp_path):
     assert "kernel_gate" not in dry_run_rules(tmp_path, "arms")
     arms = fa2_arms(tmp_path)
@@ -66,14 +78,7 @@ def test_under_the_interpreter_the_rule_writes_a_receipt_that_a_later_stage_read
     sizes.update(num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     make_tiny_model(work / "base", work / "tok", seed=0, **sizes)
     fa2 = ["--ref.attn_implementation=triton_fa2", "--ref.dtype=float16", "--data.seq_len=12"]
-    child = subprocess.run(
-        [sys.executable, str(PRECOMPUTE), str(work), str(work / "cache.safetensors"), *fa2],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **env},
-    )
+    child = precompute(work, "cache.safetensors", fa2, env)
     assert child.returncode == 0, child.stderr[-3000:]
     assert json.loads(child.stdout.splitlines()[-1])["key"]["forward_impl"].startswith(
         "triton_fa2-fp16"
@@ -81,13 +86,6 @@ def test_under_the_interpreter_the_rule_writes_a_receipt_that_a_later_stage_read
 
     # The same stage refuses once the receipt is gone: it reads the workflow's, no other.
     (work / receipt).unlink()
-    refused = subprocess.run(
-        [sys.executable, str(PRECOMPUTE), str(work), str(work / "again.safetensors"), *fa2],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, **env},
-    )
+    refused = precompute(work, "again.safetensors", fa2, env)
     assert refused.returncode != 0
     assert f"no equivalence receipt at {receipt}" in refused.stderr, refused.stderr[-2000:]
