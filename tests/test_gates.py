@@ -115,9 +115,9 @@ def test_path_bias_decision_not_honoured_is_refused(run_copy):
 def test_preflight_over_the_host_memory_is_refused_with_exit_6(run_copy):
     run, _ = refuse(run_copy, "--preflight.host_memory_fraction=0.0001")
     reason = assert_refused(
-        run, "preflight", "projected job RSS", "optimizer_state", code=PREFLIGHT_REFUSED
+        run, "preflight", "projected RSS", "per node", "optimizer_state", code=PREFLIGHT_REFUSED
     )
-    assert "exceeds" in reason
+    assert "exceeds 0% of the node's" in reason
 
 
 def test_probe_from_another_topology_is_refused(run_copy):

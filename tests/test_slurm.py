@@ -240,6 +240,19 @@ def test_a_dry_run_of_the_arms_lists_every_gate_in_chain_order(tmp_path):
     assert dry_run_rules(tmp_path, "arms") == [*CHAIN, "dpo", "select_arms", "arms"]
 
 
+def test_a_training_stage_submitted_without_retries_is_refused_before_any_job(tmp_path):
+    """A stop at the time limit exits 75 and only a retry resumes it."""
+    run = run_snakemake(
+        tmp_path,
+        *("--executor", "slurm", "--jobs", "1", "--slurm-no-account", "--retries", "0"),
+        str(RunPaths.of("results").sft_receipt),
+        timeout=120,
+    )
+    assert run.returncode != 0
+    assert "training stages on a cluster need retries" in run.stderr, run.stderr[-3000:]
+    assert not (tmp_path / ".snakemake" / "slurm_logs").exists()
+
+
 CLUSTER_RULES = (
     "tiny_default",
     "sft",
@@ -498,15 +511,18 @@ def test_a_cuda_job_holds_every_gpu_in_one_task_on_the_gpu_partition(slurm_run, 
     # The tiny default the first run wrote, at the relative paths the configs name.
     (work / "resources").symlink_to(slurm_run.workdir / "resources")
     config = reduced_config(work, sft_device="cuda")
+    # One retry, the least a training stage on a scheduler is allowed.
     result = snakemake_on_slurm(
-        work, config, "--retries", "0", str(RunPaths.of("results").sft_receipt)
+        work, config, "--retries", "1", str(RunPaths.of("results").sft_receipt)
     )
     assert result.returncode != 0, "a CUDA stage cannot succeed on this node"
-    (job,) = jobs_of(work)
-    assert job["Comment"] == "rule_sft", job
-    assert job["Partition"] == "gpu", job
-    assert gpus(job) == 2, job
-    assert job["NumTasks"] == "1" and job["NumNodes"] == "1", job
-    assert "NtasksPerTRES" not in job or job["NtasksPerTRES"] in ("0", ""), job
+    jobs = jobs_of(work)
+    assert len(jobs) == 2, jobs
+    for job in jobs:
+        assert job["Comment"] == "rule_sft", job
+        assert job["Partition"] == "gpu", job
+        assert gpus(job) == 2, job
+        assert job["NumTasks"] == "1" and job["NumNodes"] == "1", job
+        assert "NtasksPerTRES" not in job or job["NtasksPerTRES"] in ("0", ""), job
     log = (work / RunPaths.of("results").log("sft")).read_text()
     assert "CUDA is not available" in log, log[-3000:]
