@@ -31,6 +31,20 @@ from align.utils.dist import DistInfo, all_reduce_sum, any_rank, barrier
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+
+def reduce_step_sums(
+    adapter, batch_sums: list[dict[str, float]], tokens: int
+) -> tuple[dict[str, float], float]:
+    """The step's metrics over every micro-batch on every rank, and its attended tokens.
+
+    Sums are added over micro-batches and ranks (one all-reduce) before the adapter
+    divides, so a rank with fewer pairs or tokens weighs less.
+    """
+    keys = adapter.metric_keys
+    local = [sum(sums[key] for sums in batch_sums) for key in keys]
+    *reduced, total_tokens = all_reduce_sum([*local, tokens])
+    return adapter.summarize(dict(zip(keys, reduced, strict=True))), total_tokens
+
 class TrainingDiverged(AlignError):
     """Too many optimizer steps were skipped for non-finite loss or gradients."""
 
@@ -134,22 +148,18 @@ class Trainer:
         micro_batches = self.source.micro_batches(self.state.step)
         local_denominator = self.adapter.step_denominator(micro_batches)
         (denominator,) = all_reduce_sum([local_denominator])
-        sums = dict.fromkeys(self.adapter.metric_keys, 0.0)
-        tokens = 0
+        batch_sums = []
         for batch in micro_batches:
-            loss, batch_sums = self.adapter.loss(self.model, batch, denominator)
+            loss, sums = self.adapter.loss(self.model, batch, denominator)
             # FSDP averages gradients over ranks; the loss is already a share of the global
             # mean, so scale it back to a sum (gloo cannot pre-multiply in the reduction).
             (loss * self.info.world_size).backward()
-            for key, value in batch_sums.items():
-                sums[key] += value
-            tokens += int(batch.attention_mask.sum())
-        reduced = all_reduce_sum([*sums.values(), tokens])
-        sums, tokens = dict(zip(sums, reduced[:-1], strict=True)), reduced[-1]
+            batch_sums.append(sums)
+        tokens = sum(int(batch.attention_mask.sum()) for batch in micro_batches)
+        metrics, tokens = reduce_step_sums(self.adapter, batch_sums, tokens)
         grad_norm = _to_float(
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         )
-        metrics = self.adapter.summarize(sums)
         skipped = any_rank(not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)))
         lr = self.scheduler.get_last_lr()[0]
         if not skipped:
