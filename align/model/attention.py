@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from align.kernels.contract import check_gqa_shapes
 from align.kernels.equivalence import interpreted, proven_here, require_proven_kernel
 
 AttentionFn = Callable[
@@ -105,13 +106,7 @@ def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str
 ) -> torch.Tensor:
     """Grouped-query causal attention with the backend `impl`; returns [B, Hq, T, D]."""
-    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(
-            f"expected q [B, Hq, T, D] and k/v [B, Hkv, T, D], got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads")
+    check_gqa_shapes(q, k, v)
     if impl not in ATTENTION_BACKENDS:
         raise _unavailable(impl)
     return ATTENTION_BACKENDS[impl](q, k, v, mask)
