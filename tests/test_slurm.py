@@ -52,7 +52,7 @@ JOB_RESOURCES = {
     "exit_grace_s": 5,
 }
 # Long enough that the first DPO attempt still trains when its one-minute limit nears.
-ARM_EPOCHS = 5
+ARM_EPOCHS = 4
 # One Snakemake run must finish well inside CI's budget; timeout -k makes sure it ends.
 RUN_TIMEOUT_S = 900
 
