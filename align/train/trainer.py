@@ -31,7 +31,6 @@ from align.utils.dist import DistInfo, all_reduce_sum, any_rank, barrier
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-
 def reduce_step_sums(
     adapter, batch_sums: list[dict[str, float]], tokens: int
 ) -> tuple[dict[str, float], float]:
@@ -44,6 +43,7 @@ def reduce_step_sums(
     local = [sum(sums[key] for sums in batch_sums) for key in keys]
     *reduced, total_tokens = all_reduce_sum([*local, tokens])
     return adapter.summarize(dict(zip(keys, reduced, strict=True))), total_tokens
+
 
 class TrainingDiverged(AlignError):
     """Too many optimizer steps were skipped for non-finite loss or gradients."""
