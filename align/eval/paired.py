@@ -22,7 +22,7 @@ from scipy.stats import binomtest
 from align.config import ModelConfig, PairedEvalConfig
 from align.data.loader import PairShard
 from align.eval.generation import greedy_generate
-from align.eval.preference import score_pairs
+from align.eval.preference import implicit_reward_correct, preference_correct, score_pairs
 from align.eval.selection import SFT
 from align.eval.stats import accuracy_summary
 from align.train.session import load_policy
@@ -71,18 +71,6 @@ def union_pairs(
         "pairs": len(union["pair_id"]),
         "duplicates_removed": total - len(union["pair_id"]),
     }
-
-
-def preference_correct(chosen: np.ndarray, rejected: np.ndarray) -> np.ndarray:
-    """The policy as its own judge; a tie counts as wrong."""
-    return np.asarray(chosen) > np.asarray(rejected)
-
-
-def implicit_reward_correct(
-    chosen: np.ndarray, rejected: np.ndarray, sft_chosen: np.ndarray, sft_rejected: np.ndarray
-) -> np.ndarray:
-    """DPO's implicit reward against the SFT reference; a tie counts as wrong."""
-    return (np.asarray(chosen) - sft_chosen) - (np.asarray(rejected) - sft_rejected) > 0
 
 
 def mcnemar_exact(a_correct: np.ndarray, b_correct: np.ndarray) -> dict[str, Any]:
