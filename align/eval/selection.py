@@ -84,18 +84,6 @@ def check_selection_config(cfg: SelectionConfig, arms: Sequence[str], where: str
             raise ConfigError(f"{where}: key {key!r} expected {expected}, found {value!r}")
 
 
-def sft_weights_gate(gate: Mapping[str, Any]) -> str:
-    """The SFT checkpoint still has the weights the gate passed; returns their hash."""
-    found = weights_hash(gate["checkpoint"])
-    if found != gate["checkpoint_hash"]:
-        raise GateRefused(
-            "sft_gate",
-            f"{gate['checkpoint']}: weights hash expected {gate['checkpoint_hash'][:12]}, "
-            f"found {found[:12]}",
-        )
-    return found
-
-
 def manifest_gate(paths: RunPaths, arms: Sequence[str]) -> dict[str, Any]:
     """The manifest lists every arm and its held-out shards are intact; returned with their paths resolved."""
     manifest = load_receipt(paths.manifest, "manifest", stage="build_manifest")

@@ -307,7 +307,23 @@ GATE_NAMES = tuple(name for name, _ in GATE_ORDER)
 
 @dataclass
 class GateReport:
+    """Each gate that ran: its status, time and figures, in the order they ran."""
+
     rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def run(self, name: str, gate, *args, figures=lambda result: result):
+        """`gate(*args)`, timed; a refusal is recorded, printed with the table and raised."""
+        started = time.perf_counter()
+        try:
+            result = gate(*args)
+        except GateRefused as err:
+            failed = {"gate": name, "status": FAILED, "ms": _ms(started)}
+            self.rows.append({**failed, "figures": {"reason": str(err)}})
+            print(f"align gates:\n{self.table()}", file=sys.stderr)
+            raise
+        passed = {"gate": name, "status": PASSED, "ms": _ms(started)}
+        self.rows.append({**passed, "figures": figures(result)})
+        return result
 
     def table(self) -> str:
         lines = [f"  {'gate':<10} {'status':<8} {'ms':>8}  figures"]
@@ -326,21 +342,7 @@ def run_gates(ctx: GateContext, through: str) -> GateReport:
         raise ValueError(f"unknown gate {through!r} (gates: {', '.join(GATE_NAMES)})")
     report = GateReport()
     for name, gate in GATE_ORDER:
-        started = time.perf_counter()
-        try:
-            figures = gate(ctx)
-        except GateRefused as err:
-            report.rows.append(
-                {
-                    "gate": name,
-                    "status": FAILED,
-                    "ms": _ms(started),
-                    "figures": {"reason": str(err)},
-                }
-            )
-            print(f"align gates:\n{report.table()}", file=sys.stderr)
-            raise
-        report.rows.append({"gate": name, "status": PASSED, "ms": _ms(started), "figures": figures})
+        report.run(name, gate, ctx)
         if name == through or (name == "manifest" and ctx.descoped):
             break
     return report
