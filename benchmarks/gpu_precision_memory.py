@@ -101,7 +101,7 @@ def pair_batch(vocab: int, length: int, prompt: int) -> TokenBatch:
 
 
 def dpo_loss(model, batch: TokenBatch) -> torch.Tensor:
-    from align.train.logprobs import sequence_logps_and_counts
+    from align.eval.logprobs import sequence_logps_and_counts
 
     logps, counts = sequence_logps_and_counts(model, batch)
     zeros = torch.zeros(1, device=logps.device)

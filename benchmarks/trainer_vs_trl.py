@@ -149,9 +149,9 @@ def run_align(
 
     from align.config import BatchConfig, ModelConfig, OptimizerConfig, RunConfig, TrainerConfig
     from align.data.loader import PairShard
+    from align.eval.logprobs import sequence_logps
     from align.losses.dpo import DPOObjective
     from align.train.adapters import DpoAdapter
-    from align.train.logprobs import sequence_logps
     from align.train.session import build_trainer, load_policy, start_session
 
     batch = BatchConfig(

@@ -11,6 +11,7 @@ import torch
 from tiny_models import tiny_mistral_config
 
 from align.data.loader import TokenBatch
+from align.eval.logprobs import full_logits_sequence_logps as sequence_logps
 from align.losses.dpo import LOSSES, DPOObjective, dpo_objective
 from align.losses.fused import (
     IGNORE_INDEX,
@@ -23,7 +24,6 @@ from align.losses.fused import (
 )
 from align.losses.reference import reference_dpo, reference_nll, reference_sequence_logps
 from align.model.mistral import NmoMistralForCausalLM
-from align.train.logprobs import full_logits_sequence_logps as sequence_logps
 
 # These matrices are tiny: thread hand-offs would cost far more than the arithmetic.
 torch.set_num_threads(1)

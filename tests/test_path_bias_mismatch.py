@@ -27,13 +27,13 @@ from tiny_pairs import write_tiny_pairs
 
 from align.config import ArmConfig, RefConfig, RunConfig, apply_overrides
 from align.data.loader import PairShard
+from align.eval.logprobs import sequence_logps_and_counts
 from align.exit_codes import GATE_REFUSED, AlignError
 from align.losses.dpo import dpo_objective
 from align.model.weights_hash import read_safetensors_header
 from align.paths import SPLITS, RunPaths
 from align.receipts import load_receipt, read_json
 from align.train.dpo_stage import dpo_objective_of
-from align.train.logprobs import sequence_logps_and_counts
 from align.train.path_bias import ACCEPT, RECOMPUTE, required_forward_impl
 from align.train.ref_cache import expected_key, load_ref_cache, read_cache_key
 from align.train.ref_precompute import precompute_ref_caches, run_path_bias

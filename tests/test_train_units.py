@@ -20,13 +20,13 @@ from align.data.loader import PairShard
 from align.data.sampler import StepSampler, epoch_order, steps_per_epoch
 from align.data.shards import PAIR_FORMAT, pair_arrays, write_shard
 from align.data.tokenize import TokenizedPair
+from align.eval.logprobs import sequence_logps
 from align.eval.preference import implicit_reward_preference, policy_preference
 from align.eval.stats import accuracy_summary, wilson_interval
 from align.exit_codes import USAGE, ConfigError
 from align.losses.dpo import DPOObjective, dpo_losses
 from align.model.mistral import NmoMistralForCausalLM
 from align.train.adapters import DpoAdapter
-from align.train.logprobs import sequence_logps
 from align.train.optim import (
     assert_horizon_consistent,
     build_optimizer,

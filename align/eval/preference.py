@@ -13,8 +13,8 @@ import torch
 from tqdm import tqdm
 
 from align.data.loader import PairShard
+from align.eval.logprobs import sequence_logps
 from align.eval.stats import accuracy_summary
-from align.train.logprobs import sequence_logps
 from align.utils.dist import DistInfo, all_reduce_sum
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from align.data.loader import TokenBatch
+from align.eval.logprobs import sequence_logps_and_counts
 from align.losses.dpo import DPOObjective, dpo_objective
-from align.train.logprobs import sequence_logps_and_counts
 from align.train.tripwires import PairStats
 
 
