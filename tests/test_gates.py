@@ -87,6 +87,13 @@ def test_failed_sft_gate_is_refused_first(run_copy):
     print(f"sft_gate refusal {seconds:.3f} s")
 
 
+def test_a_checkpoint_without_weights_is_refused_with_exit_3_naming_the_file(run_copy):
+    (run_copy / "results/sft/checkpoint/model.safetensors").unlink()
+    run, _ = refuse(run_copy)
+    assert_refused(run, "sft_gate", "is not a checkpoint", "no model.safetensors")
+    assert "Traceback" not in run.stderr
+
+
 def test_manifest_count_differing_from_the_preregistration_is_refused(run_copy):
     run, _ = refuse(run_copy, "--data.expected_train_pairs=1")
     assert_refused(run, "manifest", "expected 1", "found")
