@@ -169,13 +169,16 @@ def test_generation_prompts_are_the_first_distinct_ones():
     assert paired.response_lengths(union) == {"chosen": 1.0, "rejected": 2.0}
 
 
+FLOAT32 = {"compute": "float32", "master": "float32"}
+
+
 def test_arms_are_judged_by_implicit_reward_and_the_sft_policy_by_its_own_preference():
     sft = paired.PolicyScores(
-        np.array([-5.0, -5, -5]), np.array([-4.0, -6, -5]), [3, 5], [True, True]
+        np.array([-5.0, -5, -5]), np.array([-4.0, -6, -5]), [3, 5], [True, True], FLOAT32
     )
     # Margins against SFT: (-6+5) - (-6+4) = 1 > 0; (-9+5) - (-3+6) = -7; tie 0 -> wrong.
     arm = paired.PolicyScores(
-        np.array([-6.0, -9, -7]), np.array([-6.0, -3, -7]), [9, 11], [True, False]
+        np.array([-6.0, -9, -7]), np.array([-6.0, -3, -7]), [9, 11], [True, False], FLOAT32
     )
     correct = paired.correctness({sel.SFT: sft, "argilla": arm})
     assert correct[sel.SFT].tolist() == [False, True, False]
@@ -193,6 +196,7 @@ def test_arms_are_judged_by_implicit_reward_and_the_sft_policy_by_its_own_prefer
         "terminated_fraction": 0.5,
     }
     assert figures["policies"][sel.SFT]["mean_chosen_logp_change"] == 0.0
+    assert policy["precision"] == FLOAT32
     assert len(figures["comparisons"]) == 1
 
 
@@ -543,7 +547,10 @@ def test_the_stage_scores_measured_policies_on_the_union_of_held_out_shards(sele
     for policy in figures["policies"].values():
         assert policy["n"] == 72 and policy["generation"]["prompts"] == 3
         assert 0 <= policy["generation"]["mean_tokens"] <= 6
+        # Read back from the live model that scored, not copied from the config.
+        assert policy["precision"]["compute"] == "float32", policy["precision"]
     assert figures["policies"][sel.SFT]["mean_chosen_logp_change"] == 0.0
+    assert len(figures["devices"]) == 1 and ":cpu" in figures["devices"][0], figures
 
 
 def test_the_receipt_records_the_rule_and_the_hashes_of_what_it_read(selection, fabricated_run):

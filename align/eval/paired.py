@@ -147,6 +147,8 @@ class PolicyScores:
     rejected: np.ndarray
     generated_tokens: list[int]
     terminated: list[bool]
+    # The dtypes read back from the live model that scored (align.train.precision).
+    precision: dict[str, Any]
 
     def generation_summary(self, max_new_tokens: int) -> dict[str, Any]:
         return {
@@ -183,6 +185,7 @@ def policy_figures(
             "mean_chosen_logp_change": float(np.mean(s.chosen - sft.chosen)),
             "mean_rejected_logp_change": float(np.mean(s.rejected - sft.rejected)),
             "generation": s.generation_summary(max_new_tokens),
+            "precision": s.precision,
         }
     return {"policies": policies, "comparisons": all_comparisons(correct, cfg)}
 
@@ -223,6 +226,7 @@ def score_policy(
     model = load_policy(checkpoint, model_cfg, info)
     chosen, rejected = score_pairs(model, shard, batch_size, info, desc=f"score {checkpoint}")
     generations = [greedy_generate(model, p, max_new_tokens, eos_id) for p in prompts]
+    precision = model.precision
     del model
     gc.collect()
     return PolicyScores(
@@ -230,4 +234,5 @@ def score_policy(
         rejected=rejected.astype(np.float64),
         generated_tokens=[len(new) for new, _ in generations],
         terminated=[done for _, done in generations],
+        precision=precision,
     )

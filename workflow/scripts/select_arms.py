@@ -58,7 +58,7 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
         **union,
         "response_tokens": paired.response_lengths(arrays),
     }
-    return {"eval_set": eval_set, **figures}
+    return {"eval_set": eval_set, **figures, "devices": list(info.devices)}
 
 
 def main() -> None:
