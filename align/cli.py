@@ -4,6 +4,9 @@
 `--figures` it also writes the report's figures and summary page under
 RESULTS_DIR/report/, which is how the workflow's report_figures rule draws them.
 
+`align memory ARM_TOML --checkpoint DIR` prints the per-GPU memory projection of an arm,
+term by term (no GPU needed).
+
 `align preregister config/arms/<arm>.toml ...` runs each arm's data build without
 writing shards and prints the counts its pre-registration must fix: rows read,
 kept and removed by reason, train and held. With `--write` it sets
@@ -42,6 +45,19 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write the figures and summary.html under RESULTS_DIR/report/",
     )
+    memory = commands.add_parser(
+        "memory", help="print an arm's projected per-GPU memory, term by term (no GPU needed)"
+    )
+    memory.add_argument("arm_toml", type=Path, help="the arm's pre-registration")
+    memory.add_argument(
+        "--checkpoint",
+        type=Path,
+        required=True,
+        help="a checkpoint directory (config.json suffices)",
+    )
+    memory.add_argument(
+        "overrides", nargs="*", help="dotted --key=value overrides, as a stage takes them"
+    )
     prereg = commands.add_parser(
         "preregister",
         help="count what each arm's data build gives, without writing shards",
@@ -66,6 +82,24 @@ def parser() -> argparse.ArgumentParser:
         help="write the train and held counts into each TOML, with their provenance",
     )
     return top
+
+
+def memory(arm_toml: Path, checkpoint: Path, overrides: Sequence[str]) -> int:
+    from align.config import ArmConfig, load_config
+    from align.train.memory import projected_device_memory
+
+    cfg = load_config(arm_toml, ArmConfig, list(overrides)).cfg
+    projection = projected_device_memory(cfg, checkpoint)
+    b = cfg.batch
+    print(
+        f"{cfg.arm}: {projection['optimizer']}, {projection['precision']}, world size "
+        f"{b.world_size}, micro_batch {b.micro_batch} x seq_len {cfg.data.seq_len}, activation "
+        f"checkpointing {'on' if cfg.trainer.activation_checkpointing else 'off'}"
+    )
+    for term, mb in projection["terms_mb"].items():
+        print(f"  {term:<18} {mb / 1024:8.2f} GiB")
+    print(f"  {'total per GPU':<18} {projection['total_mb'] / 1024:8.2f} GiB")
+    return 0
 
 
 def report(results_dir: Path, arms: Sequence[str] | None, figures: bool) -> int:
@@ -145,20 +179,26 @@ def preregister(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args, extra = parser().parse_known_args(argv)
-    if args.command == "report":
-        if extra:
-            parser().error(f"unrecognized arguments: {' '.join(extra)}")
-        return report(args.results_dir, args.arms, args.figures)
-    try:
-        # TOMLs and overrides split as every stage splits them (`lr=5e-7` is an override).
-        split = parse_stage_args([*args.configs, *extra], n_configs=None)
-        return preregister(
-            split.configs, split.overrides, args.checkpoint, args.workflow_config, args.write
-        )
-    except AlignError as err:
-        print(f"align preregister: {err}", file=sys.stderr)
-        return err.exit_code
+    args, rest = parser().parse_known_args(argv)
+    if args.command == "memory":
+        try:
+            return memory(args.arm_toml, args.checkpoint, [*args.overrides, *rest])
+        except AlignError as err:
+            print(f"align memory: {err}", file=sys.stderr)
+            return err.exit_code
+    if args.command == "preregister":
+        try:
+            # TOMLs and overrides split as every stage splits them (`lr=5e-7` is an override).
+            split = parse_stage_args([*args.configs, *rest], n_configs=None)
+            return preregister(
+                split.configs, split.overrides, args.checkpoint, args.workflow_config, args.write
+            )
+        except AlignError as err:
+            print(f"align preregister: {err}", file=sys.stderr)
+            return err.exit_code
+    if rest:
+        parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    return report(args.results_dir, args.arms, args.figures)
 
 
 if __name__ == "__main__":

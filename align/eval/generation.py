@@ -11,12 +11,12 @@ def greedy_generate(
 ) -> tuple[list[int], bool]:
     """(new tokens, terminated): decode greedily until eos or max_new_tokens."""
     model.eval()
-    ids = torch.tensor([prompt_ids], dtype=torch.long)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
     new: list[int] = []
     for _ in range(max_new_tokens):
         next_id = int(model(ids)[0, -1].argmax())
         if next_id == eos_id:
             return new, True
         new.append(next_id)
-        ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
+        ids = torch.cat([ids, ids.new_tensor([[next_id]])], dim=1)
     return new, False
