@@ -8,13 +8,14 @@ import subprocess
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
+from snakemake.logging import logger
 
 from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
 from align.exit_codes import ConfigError
 from align.topology import Topology, topology
 from align.train.memory import job_shape, projected_job_rss
 from align.eval.selection import SelectionPaths
-from align.model.checkpoint_files import checkpoint_files
+from align.model.checkpoint_files import checkpoint_files, planned_checkpoint_files
 from align.paths import SPLITS, RunPaths
 from align.receipts import read_json
 from align.report import ReportPaths, selection_labels
@@ -91,14 +92,35 @@ def base_model_files(wildcards):
     checkpoint. A function, so only a run that trains SFT asks for the base model."""
     if BASE_MODEL == TINY_BASE:
         return [TINY_BASE / name for name in TINY_BASE_FILES]
-    return checkpoint_files(BASE_MODEL)
+    return checkpoint_inputs(BASE_MODEL)
 
 
 def sft_checkpoint_files(wildcards):
     """The SFT policy: the given checkpoint's files, or the directory rule sft trains."""
     if config["sft_checkpoint"]:
-        return checkpoint_files(config["sft_checkpoint"])
+        return checkpoint_inputs(config["sft_checkpoint"])
     return PATHS.sft_checkpoint
+
+
+def checkpoint_inputs(directory):
+    """The files a checkpoint directory has. A dry run also plans with a hub checkpoint
+    whose shards are not downloaded yet (config, tokenizer and shard index suffice) and
+    warns naming them; any other run refuses it, as it refuses what is not a checkpoint.
+    """
+    if not workflow.dryrun:
+        return checkpoint_files(directory)
+    files, absent = planned_checkpoint_files(directory)
+    if absent and directory not in WARNED_ABSENT_SHARDS:
+        WARNED_ABSENT_SHARDS.add(directory)
+        logger.warning(
+            f"dry run: checkpoint {directory} lacks {', '.join(absent)}; "
+            "a run refuses it until they are downloaded"
+        )
+    return files
+
+
+# Checkpoints already warned about in this dry run (input functions run more than once).
+WARNED_ABSENT_SHARDS = set()
 
 
 def arm_shards(arm):
@@ -399,11 +421,12 @@ def rss_mem_mb(rss_mb, attempt):
     return math.ceil(rss_mb * JOB["mem_margin"] + JOB["mem_overhead_mb"]) * attempt
 
 
-def projected_mem_mb(stage, cfg, layout, checkpoint, shards=()):
+def projected_mem_mb(stage, cfg, layout, checkpoint, shards=lambda wildcards: ()):
     """A model-loading job's memory request: the projection of align.train.memory for
     the stage (staging, export, shards, runtime; on the CPU the model itself) on its
     fullest node. The checkpoint's own config sizes it once the checkpoint exists, the base
-    model's (the same architecture) before; the default stands in when neither does."""
+    model's (the same architecture) before; the default stands in when neither does.
+    `shards(wildcards)`: the data shards the job reads, counted once they exist."""
 
     def mem_mb(wildcards, attempt):
         topo, _ = layout(wildcards)
@@ -412,7 +435,9 @@ def projected_mem_mb(stage, cfg, layout, checkpoint, shards=()):
         ]
         if not found:
             return default_mem_mb(wildcards, attempt)
-        shard_bytes = sum(Path(p).stat().st_size for p in shards if Path(p).is_file())
+        shard_bytes = sum(
+            Path(p).stat().st_size for p in shards(wildcards) if Path(p).is_file()
+        )
         shape = job_shape(stage, cfg(wildcards), topo.nodes)
         projection = projected_job_rss(shape, found[0], shard_bytes)
         return rss_mem_mb(projection["node_mb"], attempt)
@@ -420,20 +445,28 @@ def projected_mem_mb(stage, cfg, layout, checkpoint, shards=()):
     return mem_mb
 
 
+# What the preflight will project for the probe and dpo jobs (the dpo stage's shape, as
+# align.train.stage_gates projects it), while no preflight receipt exists to read it from.
+preflight_mem_mb = projected_mem_mb(
+    "dpo", arm_cfg_of, arm_layout, sft_checkpoint(), lambda w: arm_shards(w.arm)
+)
+
+
 def probe_mem_mb(wildcards, input, attempt):
-    """The preflight's projected RSS of the fullest node, for the optimizer the stage runs."""
+    """The preflight's projected RSS of the fullest node, for the optimizer the stage runs
+    (before the preflight has run, the same projection made here)."""
     preflight = receipt_json(input.preflight)
     if preflight is None:
-        return default_mem_mb(wildcards, attempt)
+        return preflight_mem_mb(wildcards, attempt)
     return rss_mem_mb(preflight["figures"]["node_mb"], attempt)
 
 
 def dpo_mem_mb(wildcards, input, attempt):
     """The preflight's projection as the probe ran it, or the probe's measured peak (per
-    node) if higher."""
+    node) if higher (before the probe has run, the preflight's projection made here)."""
     probe = receipt_json(input.probe)
     if probe is None:
-        return default_mem_mb(wildcards, attempt)
+        return preflight_mem_mb(wildcards, attempt)
     projection = probe["projection"]
     measured = probe["figures"]["peak_rss_mb"] / projection["nodes"]
     return rss_mem_mb(max(projection["node_mb"], measured), attempt)

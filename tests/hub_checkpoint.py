@@ -58,8 +58,13 @@ def mistral_sentencepiece_model(name: str = SENTENCEPIECE_V1) -> Path:
     return path
 
 
-def write_mistral_tokenizer(out_dir: Path, model: str = SENTENCEPIECE_V1) -> Path:
-    """tokenizer.model, tokenizer.json, tokenizer_config.json and chat_template.jinja in out_dir."""
+def write_mistral_tokenizer(
+    out_dir: Path,
+    model: str = SENTENCEPIECE_V1,
+    chat_template: str | None = MISTRAL_INSTRUCT_V01_TEMPLATE,
+) -> Path:
+    """tokenizer.model, tokenizer.json, tokenizer_config.json and (with a template)
+    chat_template.jinja in out_dir; the base models' tokenizers have no template."""
     from transformers import LlamaTokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -67,7 +72,7 @@ def write_mistral_tokenizer(out_dir: Path, model: str = SENTENCEPIECE_V1) -> Pat
     tokenizer = LlamaTokenizer.from_pretrained(
         str(out_dir), add_bos_token=True, add_eos_token=False
     )
-    tokenizer.chat_template = MISTRAL_INSTRUCT_V01_TEMPLATE
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(out_dir)
     return out_dir
 

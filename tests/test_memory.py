@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from mistral_7b import MISTRAL_7B
 
 from align.cli import main as align_main
 from align.config import ArmConfig, apply_overrides
@@ -22,21 +23,6 @@ from align.train.memory import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-MISTRAL_7B = {
-    "architectures": ["MistralForCausalLM"],
-    "model_type": "mistral",
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "sliding_window": 4096,
-    "torch_dtype": "bfloat16",
-}
 TOPOLOGY = ["--batch.world_size=4", "--micro_batch=1", "--grad_accum=16", "--global_batch=64"]
 
 

@@ -32,6 +32,8 @@ COMPANION_FILES = (
     "tokenizer.model",
     "generation_config.json",
 )
+# How a missing shard is named: by the index that lists it.
+SHARD_NAMED = f" (named by {INDEX_FILE_NAME})"
 
 
 class NotACheckpoint(ConfigError):
@@ -45,20 +47,46 @@ def checkpoint_files(directory: str | os.PathLike) -> list[Path]:
     shard that the index names.
     """
     root = Path(directory)
+    files, missing = _survey(root)
+    if missing:
+        raise NotACheckpoint(_not_a_checkpoint(root, missing))
+    return files
+
+
+def planned_checkpoint_files(directory: str | os.PathLike) -> tuple[list[Path], list[str]]:
+    """(the files present, the shards missing) of a checkpoint whose weights may not be here.
+
+    What a dry run plans with: a hub checkpoint's small files (config, tokenizer and the
+    shard index, which records the weights' total size) downloaded without its shards.
+    Anything else missing is refused as by `checkpoint_files`.
+    """
+    root = Path(directory)
+    files, missing = _survey(root)
+    shards = [name for name in missing if name.endswith(SHARD_NAMED)]
+    others = [name for name in missing if not name.endswith(SHARD_NAMED)]
+    if others:
+        raise NotACheckpoint(_not_a_checkpoint(root, missing))
+    return files, shards
+
+
+def _survey(root: Path) -> tuple[list[Path], list[str]]:
+    """(the checkpoint files present, the names of those missing) of `root`."""
     if not root.is_dir():
         raise NotACheckpoint(f"checkpoint {root}: no such directory")
     required = [root / name for name in (CONFIG_FILE, *TOKENIZER_FILES)]
     missing = [path.name for path in required if not path.is_file()]
     weights, weights_missing = _weight_files(root)
-    missing += weights_missing
-    if missing:
-        raise NotACheckpoint(
-            f"{root} is not a checkpoint directory: missing {', '.join(missing)} "
-            f"(expected {CONFIG_FILE}, {SINGLE_FILE_NAME} or {INDEX_FILE_NAME} with every "
-            f"shard it names, and {' and '.join(TOKENIZER_FILES)})"
-        )
+    present = [path for path in required if path.is_file()]
     companions = [root / name for name in COMPANION_FILES if (root / name).is_file()]
-    return sorted([*required, *weights, *companions])
+    return sorted([*present, *weights, *companions]), missing + weights_missing
+
+
+def _not_a_checkpoint(root: Path, missing: list[str]) -> str:
+    return (
+        f"{root} is not a checkpoint directory: missing {', '.join(missing)} "
+        f"(expected {CONFIG_FILE}, {SINGLE_FILE_NAME} or {INDEX_FILE_NAME} with every "
+        f"shard it names, and {' and '.join(TOKENIZER_FILES)})"
+    )
 
 
 def companion_files(directory: str | os.PathLike) -> list[Path]:
@@ -91,5 +119,5 @@ def _weight_files(root: Path) -> tuple[list[Path], list[str]]:
         raise NotACheckpoint(f"{index}: not a shard index ({err})") from err
     shards = [root / name for name in sorted(set(weight_map.values()))]
     present = [shard for shard in shards if shard.is_file()]
-    absent = [f"{s.name} (named by {INDEX_FILE_NAME})" for s in shards if not s.is_file()]
+    absent = [f"{s.name}{SHARD_NAMED}" for s in shards if not s.is_file()]
     return [index, *present], absent

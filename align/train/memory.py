@@ -11,6 +11,7 @@ without activation checkpointing), the fused loss head's chunk, and the CUDA con
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from align.config import ArmConfig, ModelConfig, PreflightConfig, RunConfig
 from align.exit_codes import PreflightRefused
 from align.model.hf_config import MistralConfig, load_hf_config
-from align.model.weights_hash import checkpoint_tensors
+from align.model.weights_hash import INDEX_FILE_NAME, checkpoint_tensors
 
 MIB = 2**20
 GIB = 2**30
@@ -49,7 +50,14 @@ def optimizer_state_bytes(name: str, master_dtype: str) -> float:
 
 
 def checkpoint_bytes(checkpoint: str | Path) -> int:
-    """Bytes of the checkpoint's tensors as stored (its own dtype), from the safetensors headers."""
+    """Bytes of the checkpoint's tensors as stored (its own dtype): the `total_size` that a
+    shard index records (transformers writes it, the sum of the shards' tensor bytes), so a
+    plan needs no shard; else from the safetensors headers."""
+    index = Path(checkpoint) / INDEX_FILE_NAME
+    if index.is_file():
+        total = json.loads(index.read_text(encoding="utf-8")).get("metadata", {}).get("total_size")
+        if isinstance(total, int) and not isinstance(total, bool):
+            return total
     return sum(t.end - t.begin for t in checkpoint_tensors(checkpoint).values())
 
 

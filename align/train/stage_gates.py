@@ -16,6 +16,7 @@ from typing import Any
 
 from align.config import ArmConfig, pinned_data_config
 from align.exit_codes import GateRefused, PreflightRefused
+from align.model.checkpoint_files import NotACheckpoint, checkpoint_files
 from align.model.tokenizer_hash import tokenizer_hash
 from align.model.weights_hash import weights_fingerprint, weights_hash
 from align.paths import SPLITS, RunPaths
@@ -51,6 +52,15 @@ def sft_gate(paths: RunPaths) -> dict[str, Any]:
     if not checkpoint.is_dir():
         raise GateRefused("sft_gate", f"{paths.sft_gate}: checkpoint {checkpoint} does not exist")
     return {**receipt, "checkpoint": str(checkpoint)}
+
+
+def require_checkpoint(gate: str, directory: str | Path) -> None:
+    """Refuse (exit 3) a checkpoint directory that lacks its weights, a shard or a tokenizer
+    file, naming what is missing, before a stage loads it."""
+    try:
+        checkpoint_files(directory)
+    except NotACheckpoint as err:
+        raise GateRefused(gate, str(err)) from err
 
 
 def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> dict[str, Any]:

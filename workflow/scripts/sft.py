@@ -9,6 +9,7 @@ from align.exit_codes import run_with_exit_codes
 from align.paths import RunPaths
 from align.receipts import PASSED
 from align.stage import Stage, parse_stage_args
+from align.train.stage_gates import require_checkpoint
 from align.utils.guard import apply_resource_guards
 
 
@@ -17,6 +18,7 @@ def main() -> None:
     loaded = load_config(args.configs[0], SftConfig, args.overrides)
     cfg, paths = loaded.cfg, RunPaths.of_config(loaded.cfg)
     stage = Stage("sft")
+    require_checkpoint("base_model", cfg.run.base_model)
     apply_resource_guards(cfg.run, "sft", [cfg.run.results_dir])
     from align.model.weights_hash import weights_hash
     from align.train.sft_stage import run_sft

@@ -11,6 +11,7 @@ from align.exit_codes import GateRefused, run_with_exit_codes
 from align.paths import RunPaths
 from align.receipts import FAILED, PASSED
 from align.stage import Stage, parse_stage_args
+from align.train.stage_gates import require_checkpoint
 from align.utils.guard import apply_resource_guards
 
 
@@ -20,6 +21,7 @@ def main() -> None:
     cfg, paths = loaded.cfg, RunPaths.of_config(loaded.cfg)
     stage = Stage("sft_gate")
     checkpoint = Path(cfg.run.sft_checkpoint) if cfg.run.sft_checkpoint else paths.sft_checkpoint
+    require_checkpoint("sft_gate", checkpoint)
     apply_resource_guards(cfg.run, "sft_gate", [cfg.run.results_dir])
     from align.model.weights_hash import weights_fingerprint, weights_hash
     from align.train.sft_stage import evaluate_sft_gate
