@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,4 +82,36 @@ def finished_workflow(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("workflow")
     run = run_snakemake(work, "--cores", "2", "arms")
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return work
+
+
+# Where the README guide's step 2 puts each dataset, with rows of the embedded default's
+# data (the same public schemas).
+PRODUCTION_DATA = {
+    "argilla.jsonl": "distilabel-intel-orca-dpo-pairs.parquet",
+    "steppairs.jsonl": "Math-Step-DPO-10K.parquet",
+    "sft.jsonl": "ultrachat_200k-sft.parquet",
+}
+
+
+def production_checkout(work: Path) -> Path:
+    """`work` laid out as the README's guide leaves a checkout for the production run:
+    config/production/ (a copy, which `align preregister --write` may edit), a
+    config-only Mistral-7B-v0.1 as the model store and the data under resources/."""
+    import pyarrow.json
+    import pyarrow.parquet
+    import yaml
+    from mistral_7b import write_config_only_checkpoint
+
+    from align.data.synthetic import write_default_data
+
+    production = shutil.copytree(REPO / "config" / "production", work / "config" / "production")
+    config = yaml.safe_load((production / "config.yaml").read_text())
+    write_config_only_checkpoint(work / config["base_model"])
+    raw = work / "raw"
+    write_default_data(raw, seed=0, n_argilla=40, n_steppairs=40, n_sft=40)
+    (work / "resources" / "data").mkdir(parents=True)
+    for source, name in PRODUCTION_DATA.items():
+        table = pyarrow.json.read_json(raw / source)
+        pyarrow.parquet.write_table(table, work / "resources" / "data" / name)
     return work

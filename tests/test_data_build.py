@@ -1448,6 +1448,15 @@ def test_manifest_gate_count_refusal_names_the_command_that_gives_the_counts(
     assert f"`align preregister {toml}` prints the counts this data gives" in message
 
 
+def test_manifest_gate_refuses_a_preregistration_that_fixes_no_counts(
+    default_workdir, default_build, monkeypatch
+):
+    monkeypatch.chdir(default_workdir)
+    message = refusal(default_workdir, "argilla", "--expected_held_pairs=none")
+    assert "data.expected_held_pairs is not pre-registered (this build gives 102)" in message
+    assert "`align preregister " in message
+
+
 def preregister(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "align.cli", "preregister", *args],

@@ -1,6 +1,7 @@
 """The production pre-registration (config/production/) as a researcher copies it, checked
 without weights: a config-only Mistral-7B-v0.1 (tests/mistral_7b.py) and data files in the
-public schemas lie where the README's guide puts the downloads, under resources/."""
+public schemas lie where the README's guide puts the downloads, under resources/
+(conftest.production_checkout)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow.json
-import pyarrow.parquet
 import pytest
 import yaml
-from conftest import run_snakemake, stand_in_apptainer
-from mistral_7b import write_config_only_checkpoint
+from conftest import production_checkout, run_snakemake, stand_in_apptainer
 from snakemake.utils import validate
 
 from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
-from align.data.synthetic import write_default_data
 from align.topology import topology
 from align.train.memory import (
     check_device_projection,
@@ -63,35 +60,15 @@ PROJECTED_AS = {
     "dpo": "dpo",
     "select_arms": "select_arms",
 }
-# Where the guide's step 2 writes each dataset, from the rows of the embedded default
-# (the same public schemas).
-DATA = {
-    "argilla.jsonl": "distilabel-intel-orca-dpo-pairs.parquet",
-    "steppairs.jsonl": "Math-Step-DPO-10K.parquet",
-    "sft.jsonl": "ultrachat_200k-sft.parquet",
-}
 
 
 def workflow_config() -> dict:
     return yaml.safe_load((REPO / WORKFLOW_CONFIG).read_text())
 
 
-def production_work(work: Path) -> Path:
-    """`work` laid out as the guide leaves a checkout: model and data under resources/."""
-    write_config_only_checkpoint(work / workflow_config()["base_model"])
-    raw = work / "raw"
-    write_default_data(raw, seed=0, n_argilla=40, n_steppairs=40, n_sft=40)
-    (work / "resources" / "data").mkdir(parents=True)
-    for source, name in DATA.items():
-        table = pyarrow.json.read_json(raw / source)
-        pyarrow.parquet.write_table(table, work / "resources" / "data" / name)
-    (work / "config").symlink_to(PRODUCTION.parent)
-    return work
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    return production_work(tmp_path_factory.mktemp("production"))
+    return production_checkout(tmp_path_factory.mktemp("production"))
 
 
 def arm_cfg(arm: str) -> ArmConfig:
@@ -153,7 +130,7 @@ def dry_run_jobs(output: str) -> list[dict]:
 def dry_run(work, tmp_path_factory) -> list[dict]:
     # No image here: the stand-in answers Snakemake's version check; nothing runs.
     bin_dir = stand_in_apptainer(tmp_path_factory.mktemp("bin"))
-    run = run_snakemake(work, *DRY_RUN, "--dry-run", "arms", timeout=300, path_first=(bin_dir,))
+    run = run_snakemake(work, "arms", *DRY_RUN, "--dry-run", timeout=300, path_first=(bin_dir,))
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-4000:]
     # The config-only checkpoint is planned with, and named as lacking its weights.

@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import run_snakemake, stand_in_apptainer
+from conftest import production_checkout, run_snakemake, stand_in_apptainer
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -42,10 +42,31 @@ ARMS_AFTER_REF_CACHE = Counter(
 )
 
 
+# The jobs of the production run's `arms` target, from a downloaded model and data.
+PRODUCTION_ARMS = Counter(
+    kernel_gate=1,
+    sft=1,
+    sft_gate=1,
+    build_manifest=1,
+    ref_cache=2,
+    path_bias=2,
+    preflight=2,
+    probe=2,
+    dpo=2,
+    select_arms=1,
+    arms=1,
+)
+
+
 def readme_commands() -> list[str]:
     """The command lines of the README's unlabelled code blocks, without their comments."""
-    blocks = re.findall(r"(?ms)^```\n(.*?)^```$", README.read_text())
-    lines = (line.split("  #")[0].strip() for block in blocks for line in block.splitlines())
+    blocks = re.findall(r"(?ms)^```(\w*)\n(.*?)^```$", README.read_text())
+    lines = (
+        line.split("  #")[0].strip()
+        for label, block in blocks
+        if not label
+        for line in block.splitlines()
+    )
     return [line for line in lines if line and not line.startswith("#")]
 
 
@@ -122,6 +143,27 @@ def check_gates_of_a_stage_by_hand(command, tmp_path, finished_copy):
     assert "probe      PASSED" in run.stderr, run.stderr[-3000:]
 
 
+def check_production_dry_run(command, tmp_path, production):
+    # The guide's checkout: a config-only Mistral-7B (no weights) and data under resources/.
+    bin_dir = stand_in_apptainer(tmp_path / "bin")
+    assert dry_run(production, command, path_first=(bin_dir,)) == PRODUCTION_ARMS
+
+
+def check_preregister(command, tmp_path, production):
+    # In the checkout's copy of config/production, which --write edits.
+    args = shlex.split(command)
+    align = Path(sys.executable).parent / args[0]
+    run = subprocess.run(
+        [str(align), *args[1:]], cwd=production, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    for arm in ("argilla", "steppairs"):
+        assert f"align preregister: arm {arm} " in run.stdout
+        toml = (production / "config" / "production" / "arms" / f"{arm}.toml").read_text()
+        assert re.search(r"(?m)^expected_train_pairs = \d+\nexpected_held_pairs = \d+$", toml)
+        assert "# preregister: resources/data/" in toml
+
+
 # The build backend from the venv: an isolated build would fetch setuptools from the index.
 NO_BUILD = ("--no-build-isolation",)
 
@@ -155,6 +197,13 @@ CHECKS = {
     "pip install -e '.[slurm]'": check_pip_extra,
     "snakemake --workflow-profile profiles/slurm arms": check_dry_run_under_the_profile,
     "snakemake --executor slurm --jobs 16 --retries 2 arms": check_dry_run_from_nothing,
+    "align preregister config/production/arms/argilla.toml config/production/arms/steppairs.toml"
+    " --workflow-config config/production/config.yaml --write": check_preregister,
+    "snakemake arms --workflow-profile profiles/slurm --configfile config/production/config.yaml"
+    " --dry-run": check_production_dry_run,
+    "snakemake arms --workflow-profile profiles/slurm --configfile config/production/config.yaml": (
+        check_production_dry_run
+    ),
 }
 
 
@@ -163,13 +212,21 @@ def test_every_readme_command_has_a_check():
 
 
 ON_A_FINISHED_RUN = (check_forcerun_after_a_finished_run, check_gates_of_a_stage_by_hand)
+IN_THE_PRODUCTION_CHECKOUT = (check_production_dry_run, check_preregister)
+
+
+@pytest.fixture(scope="module")
+def production(tmp_path_factory) -> Path:
+    return production_checkout(tmp_path_factory.mktemp("production"))
 
 
 @pytest.mark.parametrize(
     "command", [command for command, check in CHECKS.items() if check not in ON_A_FINISHED_RUN]
 )
-def test_the_readme_command_does_what_it_says(command, tmp_path):
-    CHECKS[command](command, tmp_path, None)
+def test_the_readme_command_does_what_it_says(command, tmp_path, request):
+    check = CHECKS[command]
+    where = request.getfixturevalue("production") if check in IN_THE_PRODUCTION_CHECKOUT else None
+    check(command, tmp_path, where)
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ def require_checkpoint(gate: str, directory: str | Path) -> None:
 def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> dict[str, Any]:
     """The arm's manifest entry, refused unless its counts and pins equal the pre-registration.
 
-    Compared: the train / held counts with data.expected_*_pairs, every `[data]`
+    Compared: the train / held counts with data.expected_*_pairs (which must be fixed), every `[data]`
     choice that shapes the shards (format, seq_len, truncation, filters, ...), the
     tokenizer hash with that of the SFT checkpoint `checkpoint`, and each shard's hash.
     The entry is returned with its shard paths resolved.
@@ -93,13 +93,18 @@ def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> d
     )
     expected = {"train": cfg.data.expected_train_pairs, "held": cfg.data.expected_held_pairs}
     for split in SPLITS:
-        if expected[split] is not None:
-            refuse_unless(
-                f"{split} pairs (data.expected_{split}_pairs)",
-                expected[split],
-                entry["counts"][split],
-                count_remedy,
+        if expected[split] is None:
+            raise GateRefused(
+                "manifest",
+                f"{where}: data.expected_{split}_pairs is not pre-registered (this build "
+                f"gives {entry['counts'][split]}){count_remedy}",
             )
+        refuse_unless(
+            f"{split} pairs (data.expected_{split}_pairs)",
+            expected[split],
+            entry["counts"][split],
+            count_remedy,
+        )
     for key in ("format", "seq_len", "truncation", "max_prompt_tokens"):
         refuse_unless(f"data.{key}", getattr(cfg.data, key), entry.get(key))
     recorded = _flat(entry.get("data_config", {}), "data.")
