@@ -5,8 +5,9 @@ its weights as one `model.safetensors` or as `model.safetensors.index.json` plus
 every shard that index names, and the tokenizer (`tokenizer.json`,
 `tokenizer_config.json`). It may also have files that travel with the weights:
 `special_tokens_map.json`, `generation_config.json`, `chat_template.jinja`, and the
-sentencepiece `tokenizer.model`. Stdlib only: the Snakefile calls this while it
-builds the DAG.
+sentencepiece `tokenizer.model`. A dry run may plan with a sharded checkpoint whose
+shards are not downloaded yet (`planned_checkpoint_files`); nothing else accepts one.
+Stdlib only: the Snakefile calls this while it builds the DAG.
 """
 
 from __future__ import annotations
