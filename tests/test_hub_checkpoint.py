@@ -20,11 +20,17 @@ from hub_checkpoint import (
 
 from align.data.synthetic import write_default_data
 from align.model.checkpoint import load_pretrained, save_hf_checkpoint
-from align.model.checkpoint_files import NotACheckpoint, checkpoint_files
+from align.model.checkpoint_files import (
+    NotACheckpoint,
+    checkpoint_files,
+    planned_checkpoint_files,
+)
 from align.model.hf_config import load_hf_config
 from align.model.tokenizer import PAD_FROM_EOS, load_tokenizer
+from align.model.weights_hash import checkpoint_tensors
 from align.paths import RunPaths
 from align.receipts import PASSED, load_receipt, read_json
+from align.train.memory import checkpoint_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 HUB_CONFIGS = REPO / "tests" / "configs" / "hub"
@@ -78,6 +84,26 @@ def test_checkpoint_files_refuses_what_is_not_a_checkpoint_naming_what_is_missin
         checkpoint_files(empty)
     with pytest.raises(NotACheckpoint, match="no such directory"):
         checkpoint_files(tmp_path / "absent")
+
+
+def test_a_plan_takes_a_download_without_its_shards_and_nothing_less(hub, tmp_path):
+    plan = shutil.copytree(hub["v5"], tmp_path / "plan")
+    for shard in shards(plan):
+        (plan / shard).unlink()
+    files, absent = planned_checkpoint_files(plan)
+    assert {path.name for path in files} == {path.name for path in plan.iterdir()}
+    assert absent == [f"{shard} (named by {INDEX})" for shard in shards(hub["v5"])]
+    with pytest.raises(NotACheckpoint, match=r"model-00001-of-00003\.safetensors"):
+        checkpoint_files(plan)
+    (plan / "tokenizer.json").unlink()
+    with pytest.raises(NotACheckpoint, match=r"missing tokenizer\.json"):
+        planned_checkpoint_files(plan)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_index_total_size_is_the_bytes_of_the_shards_tensors(hub, layout):
+    tensors = checkpoint_tensors(hub[layout])
+    assert checkpoint_bytes(hub[layout]) == sum(t.end - t.begin for t in tensors.values())
 
 
 def test_single_file_checkpoint_lists_its_one_weight_file(hub, tmp_path):
