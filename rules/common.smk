@@ -102,6 +102,10 @@ def sft_checkpoint_files(wildcards):
     return PATHS.sft_checkpoint
 
 
+# Checkpoints already warned about in this dry run (input functions run more than once).
+WARNED_ABSENT_SHARDS = set()
+
+
 def checkpoint_inputs(directory):
     """The files a checkpoint directory has. A dry run also plans with a hub checkpoint
     whose shards are not downloaded yet (config, tokenizer and shard index suffice) and
@@ -117,10 +121,6 @@ def checkpoint_inputs(directory):
             "a run refuses it until they are downloaded"
         )
     return files
-
-
-# Checkpoints already warned about in this dry run (input functions run more than once).
-WARNED_ABSENT_SHARDS = set()
 
 
 def arm_shards(arm):

@@ -66,8 +66,8 @@ def require_checkpoint(gate: str, directory: str | Path) -> None:
 def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> dict[str, Any]:
     """The arm's manifest entry, refused unless its counts and pins equal the pre-registration.
 
-    Compared: the train / held counts with data.expected_*_pairs (which must be fixed), every `[data]`
-    choice that shapes the shards (format, seq_len, truncation, filters, ...), the
+    Compared: the train / held counts with data.expected_*_pairs (which must be fixed),
+    every `[data]` choice that shapes the shards (format, seq_len, truncation, filters, ...), the
     tokenizer hash with that of the SFT checkpoint `checkpoint`, and each shard's hash.
     The entry is returned with its shard paths resolved.
     """
