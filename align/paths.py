@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SPLITS = ("train", "held")
+# The DPO stage's training runs: the first, and the one pre-registered rerun after an alarm.
+FIRST_RUN, RERUN = "first", "rerun"
+TRAINING_RUNS = (FIRST_RUN, RERUN)
 
 
 @dataclass(frozen=True)
@@ -124,3 +127,12 @@ class ArmPaths:
     @property
     def metrics(self) -> Path:
         return self.run_dir / "metrics.jsonl"
+
+    def training_run_dir(self, run: str) -> Path:
+        """The DPO stage's first run trains in run_dir, its one pre-registered rerun under it."""
+        if run not in TRAINING_RUNS:
+            raise ValueError(f"training run must be one of {TRAINING_RUNS}, got {run!r}")
+        return self.run_dir if run == FIRST_RUN else self.run_dir / RERUN
+
+    def training_run_metrics(self, run: str) -> Path:
+        return self.training_run_dir(run) / self.metrics.name

@@ -21,7 +21,7 @@ from scipy.stats import binomtest
 
 from align.config import ModelConfig, PairedEvalConfig
 from align.data.loader import PairShard
-from align.eval.generation import greedy_generate
+from align.eval.generation import greedy_generate_batch
 from align.eval.preference import score_pairs
 from align.eval.selection import SFT
 from align.eval.stats import accuracy_summary
@@ -207,20 +207,6 @@ def response_lengths(arrays: dict[str, np.ndarray]) -> dict[str, float]:
     }
 
 
-def generation_prompts(arrays: dict[str, np.ndarray], count: int) -> list[list[int]]:
-    """The first `count` distinct prompts of the eval set, in row order."""
-    prompts: list[list[int]] = []
-    seen: set[tuple[int, ...]] = set()
-    for row in range(len(arrays["pair_id"])):
-        prompt = arrays["chosen_ids"][row, : arrays["prompt_len"][row]].tolist()
-        if tuple(prompt) not in seen:
-            seen.add(tuple(prompt))
-            prompts.append(prompt)
-        if len(prompts) == count:
-            break
-    return prompts
-
-
 def score_policy(
     checkpoint: str | Path,
     model_cfg: ModelConfig,
@@ -229,12 +215,14 @@ def score_policy(
     batch_size: int,
     prompts: list[list[int]],
     max_new_tokens: int,
-    eos_id: int,
+    pins: dict[str, Any],
 ) -> PolicyScores:
     """Load one policy, score every pair of `shard` and generate on `prompts`, then free it."""
     model = load_policy(checkpoint, model_cfg, info)
     chosen, rejected = score_pairs(model, shard, batch_size, info, desc=f"score {checkpoint}")
-    generations = [greedy_generate(model, p, max_new_tokens, eos_id) for p in prompts]
+    generations = greedy_generate_batch(
+        model, prompts, max_new_tokens, pins["eos_id"], pins["pad_id"], info.device
+    )
     del model
     gc.collect()
     return PolicyScores(

@@ -42,6 +42,8 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
     from align.data.loader import PairShard
     from align.data.shards import PAIR_FORMAT, read_shard, write_shard
     from align.eval import paired
+    from align.eval.generation import generation_prompts
+    from align.eval.sanity import chosen_responses
     from align.train.session import start_session
 
     work = sel.SelectionPaths.of(paths)
@@ -51,7 +53,7 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
     )
     write_shard(work.eval_set, arrays, PAIR_FORMAT, split="eval", sources=sorted(sources))
     shard = PairShard(work.eval_set)
-    prompts = paired.generation_prompts(arrays, cfg.generation.prompts)
+    prompts = generation_prompts(arrays, cfg.generation.prompts)
     scores = {
         name: paired.score_policy(
             checkpoint,
@@ -61,7 +63,7 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
             cfg.eval.batch_size,
             prompts,
             cfg.generation.max_new_tokens,
-            pins["eos_id"],
+            pins,
         )
         for name, checkpoint in policies.items()
     }
@@ -72,6 +74,7 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
         "hash": hash_file(work.eval_set),
         **union,
         "response_tokens": paired.response_lengths(arrays),
+        "chosen_responses": chosen_responses(arrays, pins["eos_id"]),
     }
     return {"eval_set": eval_set, **figures}
 
@@ -104,6 +107,9 @@ def main() -> None:
     from align.utils.dist import destroy_distributed
 
     figures = score_everything(cfg, paths, sources, manifest["pins"], policies)
+    band = sel.generation_band(cfg.generation.band, figures)
+    standings = sel.judge_generations(standings, figures["policies"], band)
+    figures["generation_band"] = band.as_dict()
     decision = sel.decide(cfg.rule, cfg.default_arm, standings, figures["comparisons"])
     inputs = {
         str(paths.sft_gate): hash_file(paths.sft_gate),
