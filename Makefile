@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 CORES ?= 2
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: arms test lint install
+.PHONY: arms test lint install services
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,8 +19,12 @@ install: $(VENV)/.installed
 arms: install
 	snakemake --cores $(CORES) arms
 
-test: install
-	$(PY) -m pytest -q
+# Headless Chromium and the two-node Slurm cluster the suite tests against (root or sudo).
+services:
+	bash .ci/services_up.sh
+
+test: install services
+	ALIGN_SERVICES=required $(PY) -m pytest -q
 
 lint: install
 	ruff check . && ruff format --check . && snakefmt --check Snakefile rules && snakemake --lint

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# A one-node Slurm cluster on this host, for tests/test_slurm.py: Debian's slurm-wlm and
+# A two-node Slurm cluster on this host, for tests/test_slurm.py: Debian's slurm-wlm and
 # munge, daemons started by hand (CI has no systemd). Idempotent: a second call finds the
 # same configuration and live daemons and returns in well under a second.
 #
-# Partitions `cpu` (default) and `gpu` share the node, so a test can tell which one a job
-# asked for. The node advertises two GPUs backed by dummy character devices: gres needs a
+# The two nodes are two slurmd on one host, each started with -N for its node name and
+# listening on its own port (NodeName ... Port=), so a multi-node job really spans two
+# slurmd with a step on each. Each advertises the host's CPUs and a share of its memory.
+# Partitions `cpu` (default) and `gpu` share the nodes, so a test can tell which one a job
+# asked for. Each node advertises two GPUs backed by dummy character devices: gres needs a
 # File= per device (a count-only gres leaves the node INVAL), and nothing here opens them.
 # No accounting database: jobs stay visible to squeue/scontrol for MinJobAge seconds, which
 # is what the executor plugin polls (--slurm-status-command squeue) and the test reads.
@@ -14,6 +17,7 @@ CONF_DIR=/etc/slurm
 STATE_DIR=/var/spool/slurm-align
 LOG_DIR=/var/log/slurm-align
 GPU_DEVICES=(/dev/align-gpu0 /dev/align-gpu1)
+SLURMD_PORTS=(6818 6819)
 
 log() { echo "slurm_up: $*" >&2; }
 
@@ -56,20 +60,30 @@ make_gpu_devices() {
 }
 
 node_memory_mb() {
-  # Leave a fifth of the host to the daemons, the submitting snakemake and the OS.
-  awk '/^MemTotal:/ { printf "%d", $2 / 1024 * 0.8 }' /proc/meminfo
+  # Two nodes share the host: two fifths each, the last fifth for the daemons, the
+  # submitting snakemake and the OS.
+  awk '/^MemTotal:/ { printf "%d", $2 / 1024 * 0.4 }' /proc/meminfo
+}
+
+# The nodes' names: the host's, then the host's with a suffix.
+node_names() {
+  local host
+  host=$(hostname -s)
+  echo "$host ${host}-b"
 }
 
 write_config() {
-  local node cpus memory
-  node=$(hostname -s)
+  local host cpus memory nodes name i
+  host=$(hostname -s)
   cpus=$(nproc)
   memory=$(node_memory_mb)
-  install -d "$CONF_DIR" "$STATE_DIR/ctld" "$STATE_DIR/d" "$LOG_DIR"
-  cat >"$CONF_DIR/slurm.conf.new" <<EOF
-# Written by .ci/slurm_up.sh: a one-node test cluster.
+  read -ra nodes <<<"$(node_names)"
+  install -d "$CONF_DIR" "$STATE_DIR/ctld" "$LOG_DIR"
+  {
+    cat <<EOF
+# Written by .ci/slurm_up.sh: a two-node test cluster on one host.
 ClusterName=align-ci
-SlurmctldHost=$node(127.0.0.1)
+SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -88,20 +102,26 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 StateSaveLocation=$STATE_DIR/ctld
-SlurmdSpoolDir=$STATE_DIR/d
+SlurmdSpoolDir=$STATE_DIR/d-%n
 SlurmctldPidFile=$STATE_DIR/slurmctld.pid
-SlurmdPidFile=$STATE_DIR/slurmd.pid
+SlurmdPidFile=$STATE_DIR/slurmd-%n.pid
 SlurmctldLogFile=$LOG_DIR/slurmctld.log
-SlurmdLogFile=$LOG_DIR/slurmd.log
-NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$memory Gres=gpu:${#GPU_DEVICES[@]} State=UNKNOWN
-PartitionName=cpu Nodes=$node Default=YES MaxTime=INFINITE State=UP
-PartitionName=gpu Nodes=$node MaxTime=INFINITE State=UP
+SlurmdLogFile=$LOG_DIR/slurmd-%n.log
 EOF
+    for i in "${!nodes[@]}"; do
+      echo "NodeName=${nodes[$i]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${SLURMD_PORTS[$i]}" \
+        "CPUs=$cpus RealMemory=$memory Gres=gpu:${#GPU_DEVICES[@]} State=UNKNOWN"
+    done
+    echo "PartitionName=cpu Nodes=$(echo "${nodes[@]}" | tr ' ' ,) Default=YES MaxTime=INFINITE State=UP"
+    echo "PartitionName=gpu Nodes=$(echo "${nodes[@]}" | tr ' ' ,) MaxTime=INFINITE State=UP"
+  } >"$CONF_DIR/slurm.conf.new"
   {
     echo "# Written by .ci/slurm_up.sh: dummy devices, see there."
     local dev
-    for dev in "${GPU_DEVICES[@]}"; do
-      echo "NodeName=$node Name=gpu File=$dev"
+    for name in "${nodes[@]}"; do
+      for dev in "${GPU_DEVICES[@]}"; do
+        echo "NodeName=$name Name=gpu File=$dev"
+      done
     done
   } >"$CONF_DIR/gres.conf.new"
   local changed=1
@@ -134,35 +154,50 @@ stop_daemon() {
 }
 
 start_slurm() {
-  local restart=$1
+  local restart=$1 name
   if [[ $restart == 1 ]]; then
-    stop_daemon "$STATE_DIR/slurmd.pid"
+    for name in $(node_names); do
+      stop_daemon "$STATE_DIR/slurmd-$name.pid"
+    done
+    stop_daemon "$STATE_DIR/slurmd.pid" # a one-node cluster this script started before
     stop_daemon "$STATE_DIR/slurmctld.pid"
   fi
   if ! live_pid "$STATE_DIR/slurmctld.pid" >/dev/null; then
     log "starting slurmctld"
     /usr/sbin/slurmctld
   fi
-  if ! live_pid "$STATE_DIR/slurmd.pid" >/dev/null; then
-    log "starting slurmd"
-    /usr/sbin/slurmd
-  fi
+  for name in $(node_names); do
+    if ! live_pid "$STATE_DIR/slurmd-$name.pid" >/dev/null; then
+      log "starting slurmd for node $name"
+      install -d "$STATE_DIR/d-$name"
+      /usr/sbin/slurmd -N "$name"
+    fi
+  done
+}
+
+node_ready() {
+  local name=$1 state
+  state=$(sinfo -h -n "$name" -o %t 2>/dev/null | head -1 || true)
+  case $state in
+    idle | mix | alloc) return 0 ;;
+    drain* | down* | inval*) scontrol update nodename="$name" state=resume 2>/dev/null || true ;;
+  esac
+  return 1
 }
 
 wait_idle() {
-  local node state
-  node=$(hostname -s)
+  local name pending
   for _ in $(seq 150); do
-    state=$(sinfo -h -n "$node" -o %t 2>/dev/null | head -1 || true)
-    case $state in
-      idle | mix | alloc) return 0 ;;
-      drain* | down* | inval*) scontrol update nodename="$node" state=resume 2>/dev/null || true ;;
-    esac
+    pending=0
+    for name in $(node_names); do
+      node_ready "$name" || pending=1
+    done
+    ((pending)) || return 0
     sleep 0.2
   done
-  log "node $node did not become idle (state '${state:-none}'); see $LOG_DIR"
+  log "nodes $(node_names) did not all become idle; see $LOG_DIR"
   sinfo -N -l >&2 || true
-  tail -n 20 "$LOG_DIR/slurmctld.log" "$LOG_DIR/slurmd.log" >&2 || true
+  tail -n 20 "$LOG_DIR"/*.log >&2 || true
   return 1
 }
 

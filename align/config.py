@@ -19,9 +19,11 @@ from typing import Any, Generic, TypeVar
 
 from align.exit_codes import ConfigError
 from align.receipts import hash_file, hash_json
+from align.topology import topology
 
 T = TypeVar("T")
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_KEYS = ("dtype", "master_dtype", "reduce_dtype")
 TRUNCATION_POLICIES = ("prompt_left_response_right",)
 DATA_FORMATS = ("argilla", "steppairs", "pairs", "ultrafeedback")
 
@@ -57,9 +59,18 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    """The training forward path: dtype and attention backend of the policy."""
+    """The policy's precision and attention backend (align.train.precision applies and checks them).
 
+    The sharded parameters the optimizer updates live in `master_dtype`; FSDP casts them
+    to `dtype` for every forward and backward, and reduces gradients in `reduce_dtype`.
+    """
+
+    # What forward and backward compute in.
     dtype: str = "float32"
+    # What the optimizer updates: float32 keeps updates far below bf16's half-ulp (lr 5e-7).
+    master_dtype: str = "float32"
+    # What gradients are summed across ranks in, before they are cast to master_dtype.
+    reduce_dtype: str = "float32"
     attn_implementation: str = "sdpa"
 
 
@@ -117,6 +128,8 @@ class BatchConfig:
     """
 
     world_size: int = 1
+    # Ranks (GPUs) per node; 0 takes the site's run.gpus_per_node. world_size / this = nodes.
+    gpus_per_node: int = 0
     micro_batch: int = 1
     grad_accum: int = 1
     global_batch: int = 1
@@ -151,12 +164,22 @@ class PathBiasConfig:
 
 @dataclass
 class PreflightConfig:
-    """RSS projection terms that are not derived from the model: margins and overheads."""
+    """Memory projection terms that are not derived from the model: margins and overheads."""
 
     host_memory_fraction: float = 0.9
     rank_overhead_mb: float = 520.0
     activation_factor: float = 24.0
     calibration_tolerance: float = 0.2
+    # Below this fraction of master elements moved by one step at optimizer.lr, a
+    # low-precision master_dtype is refused: the run would mostly not train.
+    min_moved_fraction: float = 0.5
+    # Per-GPU memory to project against; 0 reads it from the device (torch.cuda.mem_get_info),
+    # so a submit host without a GPU needs it pre-registered.
+    device_memory_gb: float = 0.0
+    # Share of the device the projection may fill: the allocator's fragmentation lives above it.
+    device_memory_fraction: float = 0.92
+    # CUDA context and NCCL buffers, outside torch's allocator (not in max_memory_allocated).
+    cuda_context_mb: float = 1024.0
 
 
 @dataclass
@@ -229,11 +252,21 @@ class RunConfig:
     base_model: str = "resources/tiny/base"
     sft_checkpoint: str = ""
     device: str = "cpu"
+    # The site's ranks (GPUs) per node, for arms that pre-register none; 0: one node.
+    gpus_per_node: int = 0
     threads: int = 2
+    # Two heavy stages outside a scheduler never share this host: wait, refuse, or off.
+    # Inside a Slurm job the scheduler owns the node and no lock is taken.
     heavy_lock: str = "wait"
-    heavy_lock_path: str = "/tmp/align-heavy.lock"
+    # Empty: one lock per user in the temporary directory, so users never block each other.
+    heavy_lock_path: str = ""
     expected_host: str = ""
     require_off_root: bool = False
+    # MiB of the node a job will run on, when it is not this host (the workflow passes the
+    # partition's figure to the preflight on the submit host); 0: this host's memory.
+    node_memory_mb: float = 0.0
+    # Where node_memory_mb came from, for the preflight receipt.
+    node_memory_source: str = ""
 
 
 @dataclass
@@ -521,7 +554,7 @@ def validate(cfg: Any, where: str) -> None:
     """Cross-field checks that no type annotation expresses."""
     for dotted, value in _walk(cfg):
         leaf = dotted.rsplit(".", 1)[-1]
-        if leaf == "dtype" and value not in DTYPES:
+        if leaf in DTYPE_KEYS and value not in DTYPES:
             raise ConfigError(f"{where}: key {dotted!r} expected one of {DTYPES}, found {value!r}")
     if isinstance(cfg, ArmConfig):
         if not cfg.arm:
@@ -547,6 +580,7 @@ def validate(cfg: Any, where: str) -> None:
             raise ConfigError(f"{where}: key {dotted!r} expected {expected}, found {value!r}")
     batch = getattr(cfg, "batch", None)
     if batch is not None:
+        topology(batch.world_size, batch.gpus_per_node)
         product = batch.world_size * batch.micro_batch * batch.grad_accum
         if product != batch.global_batch:
             raise ConfigError(
@@ -608,6 +642,12 @@ def _ranges(cfg: Any):
             yield dotted, value, 0.0 <= value <= 1.0, "a factor in [0, 1]"
         elif leaf == "length_high":
             yield dotted, value, value >= 1.0, "a factor >= 1"
+        elif leaf in ("min_moved_fraction", "device_memory_fraction"):
+            yield dotted, value, 0.0 < value <= 1.0, "a fraction in (0, 1]"
+        elif leaf == "gpus_per_node":
+            yield dotted, value, value >= 0, "an integer >= 0"
+        elif leaf == "device_memory_gb":
+            yield dotted, value, math.isfinite(value) and value >= 0, "a number of GB >= 0"
 
 
 def _walk(obj: Any, prefix: str = ""):

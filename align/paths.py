@@ -1,13 +1,22 @@
 """Every path of a run, from (results_dir, arm): the Snakefile and the stage scripts share it.
 
 Nothing else spells a results path, so a rule's output and the script that writes
-it cannot drift apart. Imports nothing heavy.
+it cannot drift apart. Receipts name files through `RunPaths.recorded` (relative to
+the results directory when inside it) and readers find them through
+`RunPaths.resolve` (against the results directory in use), so a results directory
+that is copied or moved checks its own bytes. Imports nothing heavy.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
+from typing import Any
+
+from align.exit_codes import GateRefused
 
 SPLITS = ("train", "held")
 # The DPO stage's training runs: the first, and the one pre-registered rerun after an alarm.
@@ -15,15 +24,60 @@ FIRST_RUN, RERUN = "first", "rerun"
 TRAINING_RUNS = (FIRST_RUN, RERUN)
 
 
+def _absolute(path: str | Path) -> Path:
+    """Absolute and without `..`, symlinks left as they are (a moved run may be reached by one)."""
+    return Path(os.path.abspath(path))
+
+
+def external_locations(cfg: Any) -> list[str]:
+    """What a config names outside the results directory: SFT checkpoint, base model, data files."""
+    data = getattr(cfg, "data", None)
+    named = [cfg.run.sft_checkpoint, cfg.run.base_model, *(data.files if data else [])]
+    return [name for name in named if name]
+
+
 @dataclass(frozen=True)
 class RunPaths:
-    """Paths shared by all arms: the SFT policy, its gate, the data manifest, the selection."""
+    """Paths shared by all arms: the SFT policy, its gate, the data manifest, the selection.
+
+    `external` holds the absolute locations outside `results` that the run's
+    configuration names: the only places a receipt may send a reader outside it.
+    """
 
     results: Path
+    external: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, results_dir: str | Path) -> RunPaths:
-        return cls(Path(results_dir))
+    def of(cls, results_dir: str | Path, external: Iterable[str | Path] = ()) -> RunPaths:
+        return cls(Path(results_dir), tuple(str(_absolute(p)) for p in external))
+
+    @classmethod
+    def of_config(cls, cfg: Any) -> RunPaths:
+        """The paths of the run `cfg.run.results_dir`, with the external locations `cfg` names."""
+        return cls.of(cfg.run.results_dir, external_locations(cfg))
+
+    def recorded(self, path: str | Path) -> str:
+        """How a receipt names `path`: relative to the results directory inside it, else absolute."""
+        full, root = _absolute(path), _absolute(self.results)
+        return full.relative_to(root).as_posix() if full.is_relative_to(root) else str(full)
+
+    def resolve(self, name: str, gate: str, receipt: str | Path) -> Path:
+        """The file that `receipt` names `name`, against the results directory in use.
+
+        Refused (exit 3, gate `gate`) when it lies outside the results directory and
+        outside every location the configuration names: a receipt of a moved run must
+        not send the gates to the bytes of another.
+        """
+        root = _absolute(self.results)
+        full = _absolute(root / name)
+        if full.is_relative_to(root) or any(_covers(place, full) for place in self.external):
+            return full
+        raise GateRefused(
+            gate,
+            f"{receipt}: names {name!r}, which resolves to {full}, outside the results "
+            f"directory {root} and every location the configuration names "
+            "(run.sft_checkpoint, run.base_model, data.files)",
+        )
 
     @property
     def sft_dir(self) -> Path:
@@ -56,6 +110,11 @@ class RunPaths:
     @property
     def selection(self) -> Path:
         return self.results / "selection.json"
+
+    @property
+    def kernel_receipt(self) -> Path:
+        """The triton_fa2 equivalence receipt the kernel_gate rule writes for this run."""
+        return self.results / "kernels" / "triton_fa2.json"
 
     def log(self, rule: str, name: str = "all") -> Path:
         return self.results / "logs" / rule / f"{name}.log"
@@ -136,3 +195,8 @@ class ArmPaths:
 
     def training_run_metrics(self, run: str) -> Path:
         return self.training_run_dir(run) / self.metrics.name
+
+
+def _covers(place: str, path: Path) -> bool:
+    """`path` is the named location, lies inside it, or matches it as a glob (data.files)."""
+    return path.is_relative_to(place) or fnmatchcase(str(path), place)

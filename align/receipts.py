@@ -21,7 +21,8 @@ from typing import Any
 from align import __version__
 from align.exit_codes import GateRefused
 
-SCHEMA_VERSION = 1
+# 2: receipts name files relative to the results directory (absolute outside it).
+SCHEMA_VERSION = 2
 PASSED = "PASSED"
 FAILED = "FAILED"
 DESCOPED = "DESCOPED"

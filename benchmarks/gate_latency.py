@@ -1,9 +1,11 @@
 """Wall time of each gate's refusal, interpreter start included, on a finished run.
 
 Usage: python benchmarks/gate_latency.py [RESULTS_DIR=results]  (after `make arms`)
-Copies the run, breaks one gate at a time, and times `workflow/scripts/dpo.py`
-until it exits 3; the target for gates 1-4 is under 0.3 s. Also times a run with
-every gate passing (--gates-only) as the baseline.
+Copies the results directory, breaks one gate at a time, and times
+`workflow/scripts/dpo.py --run.results_dir=<copy>` until it exits 3; the target for
+gates 1-4 is under 0.3 s. Also times a run with every gate passing (--gates-only) as
+the baseline. Receipts name their files relative to the results directory, so the
+copy is checked on its own bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from align.model.weights_hash import read_safetensors_header
 
 REPO = Path(__file__).resolve().parents[1]
 DPO = REPO / "workflow" / "scripts" / "dpo.py"
@@ -44,6 +48,16 @@ def break_ref_cache(work: Path) -> list[str]:
     return []
 
 
+def break_ref_cache_bytes(work: Path) -> list[str]:
+    """One bit of the held cache's log-probs: its key still matches, its bytes do not."""
+    cache = next((work / "results/argilla/ref").iterdir()) / "held.safetensors"
+    begin = read_safetensors_header(cache)["chosen_logps"].begin
+    data = bytearray(cache.read_bytes())
+    data[begin] ^= 0x01
+    cache.write_bytes(bytes(data))
+    return []
+
+
 def break_path_bias(work: Path) -> list[str]:
     (work / "results/argilla/path_bias.json").unlink()
     return []
@@ -57,6 +71,7 @@ CASES = (
     ("sft_gate", break_sft_gate, 3),
     ("manifest", break_manifest, 3),
     ("ref_cache", break_ref_cache, 3),
+    ("ref_cache bytes", break_ref_cache_bytes, 3),
     ("path_bias", break_path_bias, 3),
     ("all gates pass", all_pass, 0),
 )
@@ -66,8 +81,7 @@ def time_case(results: Path, breaker, code: int) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         shutil.copytree(results, work / "results")
-        shutil.copytree(REPO / "resources", work / "resources", dirs_exist_ok=True)
-        args = breaker(work)
+        args = [f"--run.results_dir={work / 'results'}", *breaker(work)]
         times = []
         for _ in range(REPEATS):
             started = time.perf_counter()

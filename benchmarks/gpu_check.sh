@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One prepared run for a lent GPU machine, from the repo root: the triton_fa2 equivalence
-# gate, the attention benchmark, the selector on CUDA, and tests/test_flash_attn.py on the
-# GPU. Every step runs even when an earlier one failed; the exit status is non-zero when
-# any failed. Results land under $OUT (receipt, logs, benchmark table).
+# gate, the attention benchmark, the selector on CUDA, tests/test_flash_attn.py on the
+# GPU, and the precision and device-memory checks (bf16 compute over float32 masters, the
+# elements one step at lr 5e-7 moves, projected vs measured memory of a full-width
+# Mistral-7B step with adamw8bit, the fused loss head's memory at T = 4096). Every step
+# runs even when an earlier one failed; the exit status is non-zero when any failed.
+# Results land under $OUT (receipt, logs, benchmark table, precision_memory.json).
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -10,6 +13,7 @@ OUT=${OUT:?set OUT to the folder the results go to}
 PYTHON=${PYTHON:-python3}
 TRITON_PIN=3.9.0
 PYTEST_PIN=9.2.0
+BITSANDBYTES_PIN=0.50.2
 mkdir -p "$OUT/receipts"
 # The selector and the tests look for the receipt where the gate writes it.
 export ALIGN_KERNEL_RECEIPTS="$OUT/receipts"
@@ -36,6 +40,8 @@ setup() {
     $PYTHON -m pip install --no-deps --no-build-isolation -e . || return 1
   $PYTHON -c "import triton" 2>/dev/null || $PYTHON -m pip install "triton==$TRITON_PIN" || return 1
   $PYTHON -c "import pytest" 2>/dev/null || $PYTHON -m pip install "pytest==$PYTEST_PIN" || return 1
+  $PYTHON -c "import bitsandbytes" 2>/dev/null ||
+    $PYTHON -m pip install "bitsandbytes==$BITSANDBYTES_PIN" || return 1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
   $PYTHON -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
@@ -62,6 +68,7 @@ step equivalence $PYTHON -m align.kernels.equivalence
 step benchmark $PYTHON benchmarks/attention.py --out "$OUT/attention_benchmark.json"
 step selector selector_on_cuda
 step pytest $PYTHON -m pytest -q -p no:cacheprovider tests/test_flash_attn.py
+step precision_memory $PYTHON benchmarks/gpu_precision_memory.py --out "$OUT/precision_memory.json"
 
 if ((${#failed[@]})); then
   echo "gpu_check: FAILED steps: ${failed[*]}"

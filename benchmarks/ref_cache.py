@@ -42,12 +42,12 @@ from align.config import (
 from align.data.loader import PairShard
 from align.data.shards import PAIR_FORMAT, write_shard
 from align.data.synthetic import default_texts, write_default_data
+from align.eval.logprobs import sequence_logps
 from align.eval.preference import score_pairs
 from align.losses.dpo import DPOObjective
 from align.model.tiny import make_tiny_model
 from align.model.tokenizer import train_bpe_tokenizer
 from align.train.adapters import DpoAdapter
-from align.train.logprobs import sequence_logps
 from align.train.ref_cache import expected_key, ref_forward_impl
 from align.train.ref_precompute import precompute_ref_caches
 from align.train.session import build_trainer, load_policy, start_session

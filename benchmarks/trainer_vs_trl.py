@@ -1,14 +1,16 @@
 """align's Trainer against TRL's DPOTrainer: step time, tokens/s and peak RSS on CPU.
 
-Four configurations train the same random Mistral (hidden 256, 6 layers, ~4.9M
-parameters, float32, sdpa) on the same pre-tokenized pairs for the same steps, batch,
-learning rate, AdamW betas and gradient clip, all in float32 and without activation
-checkpointing unless --activation-checkpointing turns it on for both (TRL's own defaults,
+Five configurations train the same random Mistral (hidden 256, 6 layers, ~4.9M
+parameters, sdpa) on the same pre-tokenized pairs for the same steps, batch, learning
+rate, AdamW betas and gradient clip, all in float32 but align_bf16, and without activation
+checkpointing unless --activation-checkpointing turns it on for all (TRL's own defaults,
 bf16 autocast and gradient checkpointing, would compare different arithmetic):
 
   align        align's Trainer (FSDP2 on one gloo rank), reference log-probs precomputed
   align_shared the same with batch.share_prompt: one row [prompt | chosen | rejected]
                per pair, so the prompt runs once
+  align_bf16   align with model.dtype = bfloat16: float32 master shards, bf16 forward and
+               backward (FSDP2's MixedPrecisionPolicy), its own bf16 reference log-probs
   trl_precomp  TRL DPOTrainer, precompute_ref_log_probs=True
   trl_live     TRL DPOTrainer with a live reference model (a second copy of the weights)
 
@@ -32,7 +34,7 @@ exactly once. The mean prompt and response lengths are printed with the table: t
 prompt's share of them is what the shared layout saves.
 
 Run: .venv/bin/python benchmarks/trainer_vs_trl.py  [--steps 12] [--rounds 3] [--threads 1]
-     [--activation-checkpointing] [--json FILE]
+     [--activation-checkpointing] [--configs align align_bf16 ...] [--json FILE]
 (needs the 'bench' extra; about five minutes on two cores)
 """
 
@@ -65,8 +67,8 @@ MODEL = {
     "num_key_value_heads": 2,
     "max_position_embeddings": SEQ_LEN,
 }
-CONFIGS = ("align", "align_shared", "trl_precomp", "trl_live")
-ALIGN_CONFIGS = ("align", "align_shared")
+CONFIGS = ("align", "align_shared", "align_bf16", "trl_precomp", "trl_live")
+ALIGN_CONFIGS = ("align", "align_shared", "align_bf16")
 TARGETS = {"median_step_s": 0.6, "peak_rss_mb": 0.8}  # align / trl_precomp, at most
 RATIOS = ("median_step_s", "median_step_cpu_s", "peak_rss_mb")
 
@@ -141,15 +143,15 @@ def _clocks() -> tuple[float, float]:
 
 
 def run_align(
-    work: Path, steps: int, activation_checkpointing: bool, share_prompt: bool
+    work: Path, steps: int, activation_checkpointing: bool, share_prompt: bool, dtype: str
 ) -> list[tuple[float, float]]:
     import torch
 
     from align.config import BatchConfig, ModelConfig, OptimizerConfig, RunConfig, TrainerConfig
     from align.data.loader import PairShard
+    from align.eval.logprobs import sequence_logps
     from align.losses.dpo import DPOObjective
     from align.train.adapters import DpoAdapter
-    from align.train.logprobs import sequence_logps
     from align.train.session import build_trainer, load_policy, start_session
 
     batch = BatchConfig(
@@ -163,7 +165,7 @@ def run_align(
     trainer_cfg = TrainerConfig(activation_checkpointing=activation_checkpointing)
     info = start_session(run_dir, RunConfig(), batch)
     model = load_policy(
-        work / "base", ModelConfig(dtype="float32", attn_implementation="sdpa"), info, trainer_cfg
+        work / "base", ModelConfig(dtype=dtype, attn_implementation="sdpa"), info, trainer_cfg
     )
     shard = PairShard(work / "pairs.safetensors", share_prompt=share_prompt)
     with torch.no_grad():  # the reference cache: the policy at step 0
@@ -266,7 +268,8 @@ def child(config: str, work: Path, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     checkpointing = args.activation_checkpointing
     if config in ALIGN_CONFIGS:
-        ends = run_align(work, args.steps, checkpointing, config == "align_shared")
+        dtype = "bfloat16" if config == "align_bf16" else "float32"
+        ends = run_align(work, args.steps, checkpointing, config == "align_shared", dtype)
     else:
         ends = run_trl(work, args.steps, config == "trl_live", checkpointing)
     wall, cpu = np.diff(np.array(ends), axis=0).T
@@ -350,14 +353,18 @@ def report(
             f"{row['tokens_per_s']:9.0f} {row['peak_rss_mb']:13.0f}  {row['rounds']}"
         )
     pairs = [(mine, other) for mine in ALIGN_CONFIGS for other in ("trl_precomp", "trl_live")]
-    for mine, other in [*pairs, ("align_shared", "align")]:
+    for mine, other in [*pairs, ("align_shared", "align"), ("align_bf16", "align")]:
+        if mine not in summary or other not in summary:
+            continue
         ratios = {key: summary[mine][key] / summary[other][key] for key in RATIOS}
         print(
             f"{mine:<12} / {other:<12} step time {ratios['median_step_s']:.2f}x "
             f"(cpu {ratios['median_step_cpu_s']:.2f}x)   peak RSS {ratios['peak_rss_mb']:.2f}x"
         )
-    target = summary["trl_precomp"]
-    for mine in ALIGN_CONFIGS:
+    target = summary.get("trl_precomp")
+    for mine in ("align", "align_shared") if target else ():
+        if mine not in summary:
+            continue
         for key, limit in TARGETS.items():
             ratio = summary[mine][key] / target[key]
             print(
@@ -376,6 +383,13 @@ def main() -> None:
         "--activation-checkpointing", action="store_true", help="checkpoint every layer, on both"
     )
     parser.add_argument("--json", type=Path, help="also write the summary here")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        choices=CONFIGS,
+        default=list(CONFIGS),
+        help="which configurations to run (align ones need no 'bench' extra)",
+    )
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -387,10 +401,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="trainer-vs-trl-") as tmp:
         work = Path(tmp)
         data = prepare(work, args.steps * PAIRS_PER_STEP)
-        results: dict[str, list[dict]] = {config: [] for config in CONFIGS}
+        configs = tuple(args.configs)
+        results: dict[str, list[dict]] = {config: [] for config in configs}
         for round_index in range(args.rounds):
             # Alternate the order, so drift in the machine's load spreads over all of them.
-            order = CONFIGS if round_index % 2 == 0 else CONFIGS[::-1]
+            order = configs if round_index % 2 == 0 else configs[::-1]
             for config in order:
                 results[config].append(measure(config, work, args))
                 print(f"round {round_index + 1} {config}: {results[config][-1]}", file=sys.stderr)

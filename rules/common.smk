@@ -3,9 +3,16 @@
 # (stdlib only, so this costs milliseconds).
 import json
 import math
+import shlex
+import subprocess
 from pathlib import Path
 
+from snakemake.exceptions import WorkflowError
+
 from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
+from align.exit_codes import ConfigError
+from align.topology import Topology, topology
+from align.train.memory import job_shape, projected_job_rss
 from align.eval.selection import SelectionPaths
 from align.paths import SPLITS, RunPaths
 from align.receipts import read_json
@@ -18,9 +25,11 @@ ARMS = list(config["arms"])
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 SFT_TOML = str(Path(workflow.basedir) / config["sft_config"])
 TINY_TOML = str(Path(workflow.basedir) / config["tiny_config"])
-SELECTION_TOML = str(Path(workflow.basedir) / "config" / "selection.toml")
+SELECTION_TOML = str(Path(workflow.basedir) / config["selection_config"])
 REPORT = ReportPaths.of(PATHS)
 TINY_DIR = Path(config["tiny_dir"])
+# The Triton kernel whose equivalence receipt fa2 arms need (rule kernel_gate).
+KERNEL_SOURCE = Path(workflow.basedir) / "align" / "kernels" / "flash_attn.py"
 BASE_MODEL = Path(config["base_model"])
 CHECKPOINT_FILES = (
     "config.json",
@@ -34,6 +43,7 @@ RUN_OVERRIDES = " ".join(
         f"--run.results_dir={config['results_dir']}",
         f"--run.base_model={config['base_model']}",
         f"--run.sft_checkpoint={config['sft_checkpoint']}",
+        f"--run.gpus_per_node={config['gpus_per_node']}",
     ]
 )
 
@@ -48,6 +58,23 @@ def arm_cfg(arm):
 
 def sft_cfg():
     return load_config(SFT_TOML, SftConfig).cfg
+
+
+def selection_cfg():
+    return load_config(SELECTION_TOML, SelectionConfig).cfg
+
+
+# The pre-registration a job of each rule runs under, as a function of its wildcards.
+def arm_cfg_of(wildcards):
+    return arm_cfg(wildcards.arm)
+
+
+def sft_cfg_of(wildcards):
+    return sft_cfg()
+
+
+def selection_cfg_of(wildcards):
+    return selection_cfg()
 
 
 def sft_checkpoint():
@@ -83,17 +110,24 @@ def ref_overrides(wildcards):
     return " ".join(f"--ref.{key}={value}" for key, value in path.items())
 
 
-def per_rank_threads(world_size):
-    """The job's threads, shared among its ranks (at least one each)."""
-    return max(1, config["threads"] // world_size)
+def uses_fa2(cfg):
+    return "triton_fa2" in (cfg.model.attn_implementation, cfg.ref.attn_implementation)
 
 
-def arm_world_size(wildcards):
-    return arm_cfg(wildcards.arm).batch.world_size
+def kernel_receipts(wildcards):
+    """The kernel's equivalence receipt, for the stages of an arm that runs triton_fa2."""
+    return [PATHS.kernel_receipt] if uses_fa2(arm_cfg(wildcards.arm)) else []
 
 
-def arm_rank_threads(wildcards):
-    return per_rank_threads(arm_world_size(wildcards))
+def kernel_gate_layout(wildcards):
+    """One process on the device of the run's fa2 arms (the CPU only under the interpreter)."""
+    devices = {arm_cfg(arm).run.device for arm in ARMS if uses_fa2(arm_cfg(arm))}
+    return Topology(nodes=1, per_node=1), ("cuda" if "cuda" in devices else "cpu")
+
+
+def per_rank_threads(ranks):
+    """The task's threads, shared among the ranks it holds (at least one each)."""
+    return max(1, config["threads"] // ranks)
 
 
 def arm_stop_marker(wildcards):
@@ -128,62 +162,195 @@ def receipt_json(path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def device_count(device, processes):
-    """GPUs a job takes: one per process on CUDA, none on the CPU."""
-    return processes if device == "cuda" else 0
-
-
-def arm_gpus(wildcards):
-    """The arm's torchrun ranks (ref_cache, path_bias, probe, dpo), each on its own GPU."""
+def arm_layout(wildcards):
+    """The arm's ranks on nodes (ref_cache, path_bias, probe, dpo) and their device."""
     cfg = arm_cfg(wildcards.arm)
-    return device_count(cfg.run.device, cfg.batch.world_size)
+    return batch_topology(cfg.batch), cfg.run.device
 
 
-def sft_gpus(wildcards):
+def sft_layout(wildcards):
     cfg = sft_cfg()
-    return device_count(cfg.run.device, cfg.batch.world_size)
+    return batch_topology(cfg.batch), cfg.run.device
 
 
-def sft_single_gpu(wildcards):
-    """sft_gate runs one process on the SFT pre-registration's device."""
-    return device_count(sft_cfg().run.device, 1)
+def sft_gate_layout(wildcards):
+    """sft_gate scores in one process on the SFT pre-registration's device."""
+    return Topology(nodes=1, per_node=1), sft_cfg().run.device
 
 
-def selection_gpus(wildcards):
+def selection_layout(wildcards):
     """select_arms scores every policy in one process on the selection's device."""
-    cfg = load_config(SELECTION_TOML, SelectionConfig).cfg
-    return device_count(cfg.run.device, 1)
+    return Topology(nodes=1, per_node=1), selection_cfg().run.device
 
 
-def no_gpu(wildcards):
-    return 0
+def cpu_layout(wildcards):
+    return Topology(nodes=1, per_node=1), "cpu"
 
 
-def placement(gpus):
-    """Where a job runs and how it is laid out, from its GPU count `gpus(wildcards)`.
+def batch_topology(batch):
+    """Nodes x ranks per node from the pre-registration and the site's gpus_per_node."""
+    try:
+        return topology(batch.world_size, batch.gpus_per_node, config["gpus_per_node"])
+    except ConfigError as err:
+        raise WorkflowError(str(err)) from err
 
-    One task on one node holds every GPU of the job (sbatch --gpus=N); torchrun starts
-    the ranks inside that task and rank i takes cuda:LOCAL_RANK, so each rank has its
-    own device and every training stage asserts that before it loads a model
-    (align.utils.dist.assert_distinct_devices). Per-task GPU binding needs one task per
-    rank, which torchrun replaces; and a task count on a GPU job turns into
+
+def placement(layout):
+    """Where a job runs and how it is laid out, from `layout(wildcards)` = (topology, device).
+
+    One node: one task holds every GPU of the job (sbatch --gpus=N); torchrun starts the
+    ranks inside it and rank i takes cuda:LOCAL_RANK, so each rank has its own device and
+    every stage asserts that before it loads a model
+    (align.utils.dist.assert_distinct_devices). A task count on a GPU job would turn into
     --ntasks-per-gpu, so GPU jobs name no tasks and CPU jobs exactly one.
+
+    Several nodes: one task per node (--nodes=N --ntasks=N, each node's GPUs as
+    --gres=gpu:G), and the job runs its command in the allocation itself (the executor's
+    `mpi` mode), which starts one launcher per node under srun (`launcher`).
     """
+
+    def is_multi(wildcards):
+        return layout(wildcards)[0].nodes > 1
+
+    def cuda(wildcards):
+        return layout(wildcards)[1] == "cuda"
+
+    def gpus(wildcards):
+        topo, device = layout(wildcards)
+        return topo.world_size if device == "cuda" and topo.nodes == 1 else 0
+
+    def tasks(wildcards):
+        if is_multi(wildcards):
+            return layout(wildcards)[0].nodes
+        return None if cuda(wildcards) else 1
+
     return {
         "gpu": gpus,
-        "nodes": lambda wildcards: 1,
-        "tasks": lambda wildcards: None if gpus(wildcards) else 1,
+        "nodes": lambda wildcards: layout(wildcards)[0].nodes,
+        "tasks": tasks,
         "cpus_per_task": lambda wildcards, threads: threads,
-        "slurm_partition": lambda wildcards: slurm_partition(gpus(wildcards)),
+        "mpi": lambda wildcards: "srun" if is_multi(wildcards) else None,
+        "tasks_per_gpu": lambda wildcards: 0 if is_multi(wildcards) else None,
+        "gres": lambda wildcards: (
+            f"gpu:{layout(wildcards)[0].per_node}"
+            if is_multi(wildcards) and cuda(wildcards)
+            else None
+        ),
+        "slurm_partition": lambda wildcards: slurm_partition(
+            layout(wildcards)[1] == "cuda"
+        ),
         "slurm_account": lambda wildcards: config["slurm_account"] or None,
     }
 
 
-def slurm_partition(gpus):
+def launcher(layout, stop_marker=None, accept_exit=None):
+    """The stage's launch command: `python -m align.launch` on one node, or one launcher per
+    node under srun in a multi-node allocation. `exec` in the rule's shell makes the
+    launcher the process Slurm's signals reach, so SIGTERM ends in a checkpoint."""
+
+    def command(wildcards, resources):
+        topo, device = layout(wildcards)
+        prefix = []
+        if topo.nodes > 1:
+            if not time_limited():
+                raise WorkflowError(
+                    f"{topo.nodes} nodes x {topo.per_node} ranks: a multi-node stage runs "
+                    "under Slurm (--executor slurm or the workflow profile), not locally"
+                )
+            prefix = [
+                "srun",
+                f"--nodes={topo.nodes}",
+                "--ntasks-per-node=1",
+                f"--cpus-per-task={config['threads']}",
+            ]
+            if device == "cuda":
+                prefix.append(f"--gres=gpu:{topo.per_node}")
+        args = [
+            "python -m align.launch",
+            f"--nproc={topo.per_node}",
+            f"--nnodes={topo.nodes}",
+            f"--shutdown-timeout={resources.stop_window_s}",
+        ]
+        if stop_marker is not None:
+            args.append(f"--stop-marker={stop_marker(wildcards)}")
+        if accept_exit is not None:
+            args.append(f"--accept-exit={accept_exit}")
+        return " ".join(prefix + args)
+
+    return command
+
+
+def layout_rank_threads(layout):
+    """Each rank's threads: the task's threads shared by the ranks of its node."""
+    return lambda wildcards: per_rank_threads(layout(wildcards)[0].per_node)
+
+
+def slurm_partition(on_gpu):
     """GPU jobs go to the GPU partition when one is named; empty leaves the cluster's default."""
-    if gpus and config["slurm_gpu_partition"]:
+    if on_gpu and config["slurm_gpu_partition"]:
         return config["slurm_gpu_partition"]
     return config["slurm_partition"] or None
+
+
+def node_memory_overrides(wildcards):
+    """The preflight runs on the submit host but judges the node the job will run on: its
+    memory from the workflow config (slurm_node_memory_mb, by partition), else from
+    Slurm's record of the partition's smallest node. A local run's jobs run here, and the
+    preflight measures this host itself."""
+    if not workflow.non_local_exec:
+        return ""
+    partition = (
+        slurm_partition(arm_layout(wildcards)[1] == "cuda") or default_partition()
+    )
+    configured = config["slurm_node_memory_mb"]
+    if partition in configured:
+        mb, source = (
+            configured[partition],
+            f"slurm_node_memory_mb[{partition}] (workflow config)",
+        )
+    else:
+        mb = partition_node_memory_mb(partition)
+        source = f"scontrol: smallest RealMemory of partition {partition}"
+    return f"--run.node_memory_mb={mb} --run.node_memory_source={shlex.quote(source)}"
+
+
+def scontrol(*args):
+    try:
+        return subprocess.run(
+            ["scontrol", "--oneliner", *args],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise WorkflowError(
+            f"scontrol {' '.join(args)} failed ({err}); set slurm_node_memory_mb in the "
+            "workflow config for the partitions the jobs use"
+        ) from err
+
+
+def slurm_fields(line):
+    return dict(part.split("=", 1) for part in line.split() if "=" in part)
+
+
+def default_partition():
+    for line in scontrol("show", "partition").splitlines():
+        fields = slurm_fields(line)
+        if fields.get("Default") == "YES":
+            return fields["PartitionName"]
+    raise WorkflowError("Slurm names no default partition: set slurm_partition")
+
+
+def partition_node_memory_mb(partition):
+    nodes = slurm_fields(scontrol("show", "partition", partition)).get("Nodes", "")
+    memory = [
+        int(slurm_fields(line)["RealMemory"])
+        for line in scontrol("show", "node", nodes).splitlines()
+        if "RealMemory=" in line
+    ]
+    if not memory:
+        raise WorkflowError(f"scontrol shows no node memory for partition {partition}")
+    return min(memory)
 
 
 def default_mem_mb(wildcards, attempt):
@@ -197,7 +364,19 @@ def default_runtime(wildcards, attempt):
 
 
 def sft_runtime(wildcards, attempt):
-    return JOB["sft_runtime_min"] * attempt
+    return first_attempt_limit("sft", JOB["sft_runtime_min"] * attempt, attempt)
+
+
+def first_attempt_cap(key, stage, attempt):
+    """The configured cap `key` of a training stage's first attempt (0: none)."""
+    return config[key].get(stage, 0) if attempt == 1 else 0
+
+
+def first_attempt_limit(stage, runtime_min, attempt):
+    """`first_attempt_runtime_min` caps the first attempt's time limit, so the job meets
+    its limit (and the pre-timeout signal) while it trains, and the retry resumes."""
+    cap = first_attempt_cap("first_attempt_runtime_min", stage, attempt)
+    return min(runtime_min, cap) if cap else runtime_min
 
 
 def rss_mem_mb(rss_mb, attempt):
@@ -205,27 +384,79 @@ def rss_mem_mb(rss_mb, attempt):
     return math.ceil(rss_mb * JOB["mem_margin"] + JOB["mem_overhead_mb"]) * attempt
 
 
+def projected_mem_mb(stage, cfg, layout, checkpoint, shards=()):
+    """A model-loading job's memory request: the projection of align.train.memory for
+    the stage (staging, export, shards, runtime; on the CPU the model itself) on its
+    fullest node. The checkpoint's own config sizes it once the checkpoint exists, the base
+    model's (the same architecture) before; the default stands in when neither does."""
+
+    def mem_mb(wildcards, attempt):
+        topo, _ = layout(wildcards)
+        found = [
+            c for c in (Path(checkpoint), BASE_MODEL) if (c / "config.json").is_file()
+        ]
+        if not found:
+            return default_mem_mb(wildcards, attempt)
+        shard_bytes = sum(Path(p).stat().st_size for p in shards if Path(p).is_file())
+        shape = job_shape(stage, cfg(wildcards), topo.nodes)
+        projection = projected_job_rss(shape, found[0], shard_bytes)
+        return rss_mem_mb(projection["node_mb"], attempt)
+
+    return mem_mb
+
+
 def probe_mem_mb(wildcards, input, attempt):
-    """The preflight's projected job RSS, for the optimizer the stage really runs."""
+    """The preflight's projected RSS of the fullest node, for the optimizer the stage runs."""
     preflight = receipt_json(input.preflight)
     if preflight is None:
         return default_mem_mb(wildcards, attempt)
-    return rss_mem_mb(preflight["figures"]["total_mb"], attempt)
+    return rss_mem_mb(preflight["figures"]["node_mb"], attempt)
 
 
 def dpo_mem_mb(wildcards, input, attempt):
-    """The preflight's projection as the probe ran it, or the probe's measured peak if higher."""
+    """The preflight's projection as the probe ran it, or the probe's measured peak (per
+    node) if higher."""
     probe = receipt_json(input.probe)
     if probe is None:
         return default_mem_mb(wildcards, attempt)
-    rss = max(probe["projection"]["total_mb"], probe["figures"]["peak_rss_mb"])
-    return rss_mem_mb(rss, attempt)
+    projection = probe["projection"]
+    measured = probe["figures"]["peak_rss_mb"] / projection["nodes"]
+    return rss_mem_mb(max(projection["node_mb"], measured), attempt)
 
 
 def checkpoint_s(probe):
     """One checkpoint save: the probe's timing when its receipt has one, else the allowance."""
     measured = probe["figures"].get("checkpoint_s") if probe else None
     return measured if measured is not None else JOB["checkpoint_s"]
+
+
+def stop_window_s(probe):
+    """Seconds a stop needs: the optimizer step in flight (twice the probe's median, or
+    nothing where no probe measured one), one checkpoint save, and the processes' exit.
+
+    torchrun waits this long for stopped workers before it kills them, and Slurm signals
+    the job step (SIGTERM) this long before its time limit.
+    """
+    step = probe["figures"]["median_step_s"] if probe else 0.0
+    return math.ceil(2 * step + checkpoint_s(probe)) + JOB["exit_grace_s"]
+
+
+def dpo_stop_window_s(wildcards, input):
+    return stop_window_s(receipt_json(input.probe))
+
+
+def unmeasured_stop_window_s(wildcards, input=None):
+    return stop_window_s(None)
+
+
+def pre_timeout_signal(window):
+    """sbatch's request for SIGTERM to the job's steps `window(...)` seconds before its
+    limit: to the steps, not the batch shell, which is Snakemake's own process."""
+
+    def slurm_extra(wildcards, input):
+        return f"--signal=TERM@{window(wildcards, input)}"
+
+    return slurm_extra
 
 
 def stop_reserve_s(probe):
@@ -244,7 +475,8 @@ def dpo_runtime(wildcards, input, attempt):
     if probe is None:
         return default_runtime(wildcards, attempt)
     projected = probe["figures"]["projected_wall_s"] * JOB["runtime_margin"]
-    return math.ceil((projected + stop_reserve_s(probe)) / 60) * attempt
+    runtime = math.ceil((projected + stop_reserve_s(probe)) / 60) * attempt
+    return first_attempt_limit("dpo", runtime, attempt)
 
 
 def trainer_resume(wildcards, attempt):
@@ -253,7 +485,20 @@ def trainer_resume(wildcards, attempt):
     Params are fixed at a job's first attempt and never see `attempt`; resources are
     re-evaluated for each one, so the per-attempt stage flags are resources.
     """
+    require_retries_on_a_scheduler()
     return "true" if attempt > 1 else "false"
+
+
+def require_retries_on_a_scheduler():
+    """On a cluster a training stage stopped at its time limit exits 75 and only a retry
+    resumes it: refuse to submit one with no retries rather than lose the run."""
+    submitting = workflow.non_local_exec and not workflow.remote_exec
+    if submitting and workflow.execution_settings.retries < 1:
+        raise WorkflowError(
+            "training stages on a cluster need retries to resume after a stop (exit 75): "
+            "run with --workflow-profile profiles/slurm (retries, jobs, the image), or add "
+            "--retries 2"
+        )
 
 
 def time_limited():
@@ -265,13 +510,13 @@ def time_limited():
     return workflow.non_local_exec or workflow.remote_exec
 
 
-def wall_seconds(runtime_min, reserve_s, attempt):
+def wall_seconds(stage, runtime_min, reserve_s, attempt):
     """The trainer's budget (0: none): the job's time limit less the reserve.
 
     So the stage stops at a step boundary and saves before Slurm's SIGTERM and SIGKILL.
     `first_attempt_wall_s` caps the first attempt, which makes the resumed retry testable.
     """
-    cap = config["first_attempt_wall_s"] if attempt == 1 else 0
+    cap = first_attempt_cap("first_attempt_wall_s", stage, attempt)
     if not time_limited():
         return cap
     wall = math.floor(runtime_min * 60 - reserve_s)
@@ -286,11 +531,13 @@ def wall_seconds(runtime_min, reserve_s, attempt):
 def dpo_wall_s(wildcards, input, attempt):
     probe = receipt_json(input.probe)
     runtime = dpo_runtime(wildcards, input, attempt)
-    return wall_seconds(runtime, stop_reserve_s(probe), attempt)
+    return wall_seconds("dpo", runtime, stop_reserve_s(probe), attempt)
 
 
 def sft_wall_s(wildcards, attempt):
-    return wall_seconds(sft_runtime(wildcards, attempt), stop_reserve_s(None), attempt)
+    return wall_seconds(
+        "sft", sft_runtime(wildcards, attempt), stop_reserve_s(None), attempt
+    )
 
 
 # --- selection and report ---

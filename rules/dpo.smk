@@ -1,5 +1,5 @@
 rule preflight:
-    """RSS projection of the job for the optimizer it runs, against the host (exit 6)."""
+    """RSS projection of the job for the optimizer it runs, against its node (exit 6)."""
     input:
         script=SCRIPTS / "preflight.py",
         path_bias=PATHS.results / "{arm}" / "path_bias.json",
@@ -15,8 +15,9 @@ rule preflight:
         CONTAINER
     params:
         run=RUN_OVERRIDES,
+        node=node_memory_overrides,
     shell:
-        "python {input.script} {input.config} {params.run} > {log} 2>&1"
+        "python {input.script} {input.config} {params.run} {params.node} > {log} 2>&1"
 
 
 rule probe:
@@ -26,6 +27,7 @@ rule probe:
         preflight=PATHS.results / "{arm}" / "preflight.json",
         caches=caches_in_use,
         config=lambda w: arm_toml(w.arm),
+        kernel=kernel_receipts,
     output:
         PATHS.results / "{arm}" / "probe.json",
     log:
@@ -36,15 +38,16 @@ rule probe:
         CONTAINER
     threads: config["threads"]
     resources:
-        **placement(arm_gpus),
+        **placement(arm_layout),
         mem_mb=probe_mem_mb,
         runtime=default_runtime,
+        stop_window_s=unmeasured_stop_window_s,
     params:
         run=RUN_OVERRIDES,
-        world_size=arm_world_size,
-        rank_threads=arm_rank_threads,
+        launch=launcher(arm_layout),
+        rank_threads=layout_rank_threads(arm_layout),
     shell:
-        "python -m align.launch --nproc={params.world_size} {input.script} {input.config} --probe"
+        "exec {params.launch} {input.script} {input.config} --probe"
         " {params.run} --run.threads={params.rank_threads} > {log} 2>&1"
 
 
@@ -55,6 +58,7 @@ rule dpo:
         probe=PATHS.results / "{arm}" / "probe.json",
         caches=caches_in_use,
         config=lambda w: arm_toml(w.arm),
+        kernel=kernel_receipts,
     output:
         PATHS.results / "{arm}" / "arm_result.json",
     log:
@@ -65,20 +69,19 @@ rule dpo:
         CONTAINER
     threads: config["threads"]
     resources:
-        **placement(arm_gpus),
+        **placement(arm_layout),
         mem_mb=dpo_mem_mb,
         runtime=dpo_runtime,
         trainer_resume=trainer_resume,
         trainer_wall_s=dpo_wall_s,
+        stop_window_s=dpo_stop_window_s,
+        slurm_extra=pre_timeout_signal(dpo_stop_window_s),
     params:
         run=RUN_OVERRIDES,
-        world_size=arm_world_size,
-        rank_threads=arm_rank_threads,
-        stop_marker=arm_stop_marker,
-    shell:
-        "python -m align.launch --nproc={params.world_size} --stop-marker={params.stop_marker}"
-        " {input.script} {input.config} {params.run} --run.threads={params.rank_threads}"
-        " --trainer.resume={resources.trainer_resume}"
-        " --trainer.max_wall_seconds={resources.trainer_wall_s} > {log} 2>&1"
         # Exit 5 (tripwire fired after the rerun) leaves a result that selection reads.
-        " || test $? -eq 5"
+        launch=launcher(arm_layout, stop_marker=arm_stop_marker, accept_exit=5),
+        rank_threads=layout_rank_threads(arm_layout),
+    shell:
+        "exec {params.launch} {input.script} {input.config} {params.run}"
+        " --run.threads={params.rank_threads} --trainer.resume={resources.trainer_resume}"
+        " --trainer.max_wall_seconds={resources.trainer_wall_s} > {log} 2>&1"

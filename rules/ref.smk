@@ -10,6 +10,7 @@ rule ref_cache:
         manifest=PATHS.manifest,
         shards=lambda w: arm_shards(w.arm),
         config=lambda w: arm_toml(w.arm),
+        kernel=kernel_receipts,
     output:
         train=PATHS.results / "{arm}" / "ref" / "{forward_impl}" / "train.safetensors",
         held=PATHS.results / "{arm}" / "ref" / "{forward_impl}" / "held.safetensors",
@@ -22,16 +23,17 @@ rule ref_cache:
         CONTAINER
     threads: config["threads"]
     resources:
-        **placement(arm_gpus),
-        mem_mb=default_mem_mb,
+        **placement(arm_layout),
+        mem_mb=projected_mem_mb("ref_cache", arm_cfg_of, arm_layout, sft_checkpoint()),
         runtime=default_runtime,
+        stop_window_s=unmeasured_stop_window_s,
     params:
         run=RUN_OVERRIDES,
         ref=ref_overrides,
-        world_size=arm_world_size,
-        rank_threads=arm_rank_threads,
+        launch=launcher(arm_layout),
+        rank_threads=layout_rank_threads(arm_layout),
     shell:
-        "python -m align.launch --nproc={params.world_size} {input.script} {input.config}"
+        "exec {params.launch} {input.script} {input.config}"
         " {params.run} --run.threads={params.rank_threads} {params.ref} > {log} 2>&1"
 
 
@@ -41,6 +43,7 @@ checkpoint path_bias:
         script=SCRIPTS / "precompute_ref_logprobs.py",
         caches=preregistered_ref_caches,
         config=lambda w: arm_toml(w.arm),
+        kernel=kernel_receipts,
     output:
         PATHS.results / "{arm}" / "path_bias.json",
     log:
@@ -51,13 +54,14 @@ checkpoint path_bias:
         CONTAINER
     threads: config["threads"]
     resources:
-        **placement(arm_gpus),
-        mem_mb=default_mem_mb,
+        **placement(arm_layout),
+        mem_mb=projected_mem_mb("path_bias", arm_cfg_of, arm_layout, sft_checkpoint()),
         runtime=default_runtime,
+        stop_window_s=unmeasured_stop_window_s,
     params:
         run=RUN_OVERRIDES,
-        world_size=arm_world_size,
-        rank_threads=arm_rank_threads,
+        launch=launcher(arm_layout),
+        rank_threads=layout_rank_threads(arm_layout),
     shell:
-        "python -m align.launch --nproc={params.world_size} {input.script} {input.config} --path-bias"
+        "exec {params.launch} {input.script} {input.config} --path-bias"
         " {params.run} --run.threads={params.rank_threads} > {log} 2>&1"

@@ -27,8 +27,10 @@ rule select_arms:
         CONTAINER
     threads: config["threads"]
     resources:
-        **placement(selection_gpus),
-        mem_mb=default_mem_mb,
+        **placement(selection_layout),
+        mem_mb=projected_mem_mb(
+            "select_arms", selection_cfg_of, selection_layout, sft_checkpoint()
+        ),
         runtime=default_runtime,
     params:
         run=RUN_OVERRIDES,

@@ -16,20 +16,22 @@ rule sft:
         CONTAINER
     threads: config["threads"]
     resources:
-        **placement(sft_gpus),
-        mem_mb=default_mem_mb,
+        **placement(sft_layout),
+        mem_mb=projected_mem_mb("sft", sft_cfg_of, sft_layout, BASE_MODEL),
         runtime=sft_runtime,
         trainer_resume=trainer_resume,
         trainer_wall_s=sft_wall_s,
+        stop_window_s=unmeasured_stop_window_s,
+        slurm_extra=pre_timeout_signal(unmeasured_stop_window_s),
     params:
         run=RUN_OVERRIDES,
-        world_size=sft_cfg().batch.world_size,
-        rank_threads=per_rank_threads(sft_cfg().batch.world_size),
-        stop_marker=PATHS.sft_run_dir / "stopped.json",
+        launch=launcher(
+            sft_layout, stop_marker=lambda w: PATHS.sft_run_dir / "stopped.json"
+        ),
+        rank_threads=layout_rank_threads(sft_layout),
     shell:
-        "python -m align.launch --nproc={params.world_size} --stop-marker={params.stop_marker}"
-        " {input.script} {input.config} {params.run} --run.threads={params.rank_threads}"
-        " --trainer.resume={resources.trainer_resume}"
+        "exec {params.launch} {input.script} {input.config} {params.run}"
+        " --run.threads={params.rank_threads} --trainer.resume={resources.trainer_resume}"
         " --trainer.max_wall_seconds={resources.trainer_wall_s} > {log} 2>&1"
 
 
@@ -50,8 +52,10 @@ rule sft_gate:
         CONTAINER
     threads: config["threads"]
     resources:
-        **placement(sft_single_gpu),
-        mem_mb=default_mem_mb,
+        **placement(sft_gate_layout),
+        mem_mb=projected_mem_mb(
+            "sft_gate", sft_cfg_of, sft_gate_layout, sft_checkpoint()
+        ),
         runtime=default_runtime,
     params:
         run=RUN_OVERRIDES,

@@ -17,7 +17,7 @@ rule tiny_default:
     container:
         CONTAINER
     resources:
-        **placement(no_gpu),
+        **placement(cpu_layout),
         mem_mb=default_mem_mb,
         runtime=default_runtime,
     params:

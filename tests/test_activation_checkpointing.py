@@ -19,6 +19,7 @@ from align.losses.fused import shift_labels
 from align.model.checkpoint import save_hf_checkpoint
 from align.model.mistral import DecoderLayer, NmoMistralForCausalLM
 from align.train.fsdp import apply_activation_checkpointing, load_sharded
+from align.train.precision import Precision
 from align.utils.dist import destroy_distributed, init_distributed
 
 torch.set_num_threads(1)
@@ -108,9 +109,9 @@ def info(tmp_path_factory):
 def test_checkpointing_under_fsdp_loads_the_weights_and_keeps_the_step(info, tmp_path):
     torch.manual_seed(0)
     save_hf_checkpoint(NmoMistralForCausalLM(CONFIG), tmp_path / "base")
-    plain = load_sharded(tmp_path / "base", info, "float32", "sdpa")
+    plain = load_sharded(tmp_path / "base", info, Precision("float32"), "sdpa")
     checkpointed = load_sharded(
-        tmp_path / "base", info, "float32", "sdpa", activation_checkpointing=True
+        tmp_path / "base", info, Precision("float32"), "sdpa", activation_checkpointing=True
     )
     for layer in checkpointed.layers:
         assert isinstance(layer, CheckpointWrapper) and isinstance(layer, FSDPModule)

@@ -10,13 +10,12 @@ built here: a stand-in `apptainer` on PATH records its arguments and runs the co
 from __future__ import annotations
 
 import re
-import stat
 import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_snakemake
+from conftest import run_snakemake, stand_in_apptainer
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
@@ -132,24 +131,11 @@ def test_the_profile_submits_to_slurm_in_the_image_and_retries():
     assert binds == ["$PWD/results", "$PWD/resources"]
 
 
-APPTAINER = """#!/bin/sh
-# Stands in for apptainer: answers the version check, records each call, runs its command.
-if [ "$1" = "--version" ]; then echo "apptainer version 1.3.6"; exit 0; fi
-printf '%s\\n' "$*" >> "$APPTAINER_CALLS"
-for last; do :; done
-exec bash -c "$last"
-"""
-
-
 @pytest.mark.slow
 def test_a_job_under_the_profile_runs_in_the_image_with_its_binds(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    apptainer = bin_dir / "apptainer"
-    apptainer.write_text(APPTAINER)
-    apptainer.chmod(apptainer.stat().st_mode | stat.S_IXUSR)
+    bin_dir = stand_in_apptainer(tmp_path / "bin")
     calls = tmp_path / "calls.log"
     run = run_snakemake(
         work,

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from align.config import ArmConfig, FilterConfig, TinyConfig, load_config
 from align.data.build import build_arm, prepare_arm, write_arms
 from align.data.chat_template import ChatTemplate, ChatTemplateError
-from align.data.filters import REASONS, FilterCounts, active_reasons, apply_filters, remove
+from align.data.filters import REASONS, FilterCounts, active_reasons, classify
 from align.data.formats import PreferenceRecord, expand_files, iter_records
 from align.data.shards import (
     PAIR_FORMAT,
@@ -253,6 +253,50 @@ def test_truncated_json_line_names_the_line(tmp_path):
     assert "not valid JSON" in message
 
 
+NON_FINITE = [float("nan"), float("inf"), float("-inf")]
+
+
+def write_arrow_parquet(path: Path, rows: list[dict]) -> Path:
+    """Parquet through pyarrow alone: pandas would store a NaN as null."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.mark.parametrize("value", NON_FINITE, ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize(
+    ("kind", "unit"), [("jsonl", "line"), ("parquet", "row")], ids=["jsonl", "parquet"]
+)
+def test_non_finite_score_is_refused_naming_file_row_column_and_value(tmp_path, kind, unit, value):
+    # json reads NaN / Infinity literals as floats; min_chosen_score would drop them quietly.
+    rows = [ARGILLA_ROWS[0], {**ARGILLA_ROWS[1], "chosen_score": value}]
+    writer = write_jsonl if kind == "jsonl" else write_arrow_parquet
+    path = writer(tmp_path / f"d.{kind}", rows)
+    if kind == "jsonl":
+        assert ("NaN" if value != value else "Infinity") in path.read_text()
+    message = bad_input([path], "argilla")
+    assert f"{path} {unit} 2: column 'chosen_score' expected a finite number, found {value!r}" in (
+        message
+    )
+
+
+def test_non_finite_score_stops_the_build_instead_of_failing_the_filter(tmp_path, tokenizer):
+    rows = [{**ARGILLA_ROWS[0], "input": f"q{i}"} for i in range(5)]
+    rows[3]["chosen_score"] = float("nan")
+    path = write_jsonl(tmp_path / "argilla.jsonl", rows)
+    cfg = load_config(
+        ARMS / "argilla.toml",
+        ArmConfig,
+        [f"--data.files={json.dumps([str(path)])}", "--min_pairs=1"],
+    ).cfg
+    with pytest.raises(BadInputData) as err:
+        prepare_arm(cfg, tokenizer)
+    assert err.value.exit_code == BAD_INPUT
+    assert f"{path} line 4: column 'chosen_score'" in str(err.value)
+
+
 def test_json_line_that_is_not_an_object_is_refused(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('["p", "c", "r"]\n')
@@ -355,6 +399,16 @@ STRICT = FilterConfig(exclude_status=["tie"], min_chosen_score=8.0, exclude_in_g
 GOOD_META = {"status": "unchanged", "chosen_score": 9.0, "in_gsm8k_train": False}
 
 
+def kept_by_filters(records, cfg: FilterConfig, counts: FilterCounts) -> list:
+    """The build's text-filter pass: every row classified by the live filters and counted."""
+    kept = []
+    for record, reason in classify(records, cfg):
+        counts.add(reason)
+        if reason is None:
+            kept.append(record)
+    return kept
+
+
 @pytest.mark.parametrize(
     ("record", "reason"),
     [
@@ -370,7 +424,7 @@ GOOD_META = {"status": "unchanged", "chosen_score": 9.0, "in_gsm8k_train": False
 )
 def test_each_filter_removes_what_it_names(record, reason):
     counts = FilterCounts()
-    kept = list(apply_filters([record, rec(prompt="keep", **GOOD_META)], STRICT, counts))
+    kept = kept_by_filters([record, rec(prompt="keep", **GOOD_META)], STRICT, counts)
     assert [r.prompt for r in kept] == ["keep"]
     assert counts.as_dict() == {"read": 2, "kept": 1, "removed": {reason: 1}}
     counts.check_reconciles()
@@ -378,9 +432,7 @@ def test_each_filter_removes_what_it_names(record, reason):
 
 def test_score_at_the_minimum_is_kept():
     counts = FilterCounts()
-    assert (
-        len(list(apply_filters([rec(**{**GOOD_META, "chosen_score": 8.0})], STRICT, counts))) == 1
-    )
+    assert len(kept_by_filters([rec(**{**GOOD_META, "chosen_score": 8.0})], STRICT, counts)) == 1
 
 
 def test_default_filters_keep_what_strict_ones_remove():
@@ -390,7 +442,7 @@ def test_default_filters_keep_what_strict_ones_remove():
         rec(prompt="c", in_gsm8k_train=True),
     ]
     counts = FilterCounts()
-    assert len(list(apply_filters(records, FilterConfig(), counts))) == 3
+    assert len(kept_by_filters(records, FilterConfig(), counts)) == 3
     assert counts.removed == {}
 
 
@@ -405,7 +457,7 @@ def test_duplicate_pairs_are_counted_and_counts_reconcile():
         rec(prompt="c", chosen="", **GOOD_META),
     ]
     counts = FilterCounts()
-    kept = list(apply_filters(records, STRICT, counts))
+    kept = kept_by_filters(records, STRICT, counts)
     assert [(r.prompt, r.chosen) for r in kept] == [("a", "c"), ("a", "other")]
     assert counts.as_dict() == {
         "read": 7,
@@ -417,17 +469,9 @@ def test_duplicate_pairs_are_counted_and_counts_reconcile():
     assert set(counts.removed) <= set(REASONS)
 
 
-def test_moving_a_row_to_a_later_reason_still_reconciles():
-    counts = FilterCounts()
-    list(apply_filters([rec(prompt="a"), rec(prompt="b")], FilterConfig(), counts))
-    remove(counts, "empty_response")
-    assert (counts.kept, counts.removed["empty_response"]) == (1, 1)
-    counts.check_reconciles()
-
-
 def test_counts_that_do_not_reconcile_are_caught():
     counts = FilterCounts()
-    list(apply_filters([rec()], FilterConfig(), counts))
+    kept_by_filters([rec()], FilterConfig(), counts)
     counts.read += 1
     with pytest.raises(AssertionError, match="reconcile"):
         counts.check_reconciles()
@@ -591,7 +635,8 @@ def test_build_arm_writes_shards_and_receipts_whose_counts_match(
         shard = read_shard(paths.shard(split))
         n = len(shard["pair_id"])
         assert n == counts[split] == entry["shards"][split]["pairs"]
-        assert entry["shards"][split]["path"] == str(paths.shard(split))
+        # Named relative to the results directory, so a moved run finds its own shards.
+        assert entry["shards"][split]["path"] == f"data/{arm}/{split}/pairs.safetensors"
         assert entry["shards"][split]["hash"] == hash_file(paths.shard(split))
         assert read_json(paths.shard_receipt(split)) == {
             "arm": arm,
@@ -775,7 +820,7 @@ def test_a_declared_filter_refuses_a_row_without_its_column(column, key):
     meta = {k: v for k, v in GOOD_META.items() if k != column}
     record = PreferenceRecord("p", "c", "r", "d.jsonl", 7, meta)
     with pytest.raises(BadInputData) as err:
-        list(apply_filters([record], STRICT, FilterCounts()))
+        kept_by_filters([record], STRICT, FilterCounts())
     assert err.value.exit_code == BAD_INPUT
     assert "d.jsonl line 7" in str(err.value)
     assert f"data.filters.{key}" in str(err.value)
@@ -793,7 +838,7 @@ def test_every_active_filter_is_reported_even_when_it_removes_nothing():
         "prompt_over_budget",
     }
     counts = FilterCounts(active_reasons(steppairs))
-    list(apply_filters([rec()], steppairs.filters, counts))
+    kept_by_filters([rec()], steppairs.filters, counts)
     assert counts.as_dict()["removed"] == dict.fromkeys(sorted(active_reasons(steppairs)), 0)
 
 
@@ -801,8 +846,7 @@ def test_counts_reconcile_per_source_and_per_split():
     counts = FilterCounts(("empty_response",))
     counts.add(None, "a", "train")
     counts.add("empty_response", "a", "held")
-    counts.add(None, "b", "held")
-    counts.move("empty_response", "b", "held")
+    counts.add("empty_response", "b", "held")
     counts.check_reconciles()
     assert counts.by_source["b"].as_dict() == {
         "read": 1,
@@ -1232,8 +1276,10 @@ def stub_sft_gate(results: Path, checkpoint: Path) -> None:
 
 
 def run_build(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    # The stub gate's checkpoint lies outside results/: the run must name it.
+    sft_checkpoint = "--run.sft_checkpoint=resources/tiny/tokenizer"
     return subprocess.run(
-        [sys.executable, str(BUILD_SCRIPT), *args],
+        [sys.executable, str(BUILD_SCRIPT), *args, sft_checkpoint],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -1311,11 +1357,11 @@ def test_manifest_records_the_pins(default_workdir, default_build):
             cfg.data.format,
         )
         source = default_workdir / cfg.data.files[0]
-        assert entry["sources"] == {cfg.data.files[0]: hash_file(source)}
+        assert entry["sources"] == {str(source): hash_file(source)}
         assert 0.0 <= entry["chosen_longer_fraction"] <= 1.0
         for split in SPLITS:
             shard = entry["shards"][split]
-            assert shard["hash"] == hash_file(default_workdir / shard["path"])
+            assert shard["hash"] == hash_file(default_workdir / "results" / shard["path"])
             assert set(shard) >= {
                 "tokens_hash",
                 "pairs",
@@ -1408,7 +1454,9 @@ def test_manifest_gate_refuses_a_changed_shard_and_an_absent_arm(
 ):
     monkeypatch.chdir(default_workdir)
     assert "arm 'other' absent" in refusal(default_workdir, "argilla", "--arm=other")
-    shard = Path(default_build["arms"]["steppairs"]["shards"]["held"]["path"])
+    shard = (
+        default_workdir / "results" / default_build["arms"]["steppairs"]["shards"]["held"]["path"]
+    )
     original = shard.read_bytes()
     try:
         shard.write_bytes(original[:-4] + b"\0\0\0\0")

@@ -413,6 +413,7 @@ def test_cpu_is_refused_even_with_a_passed_receipt(receipts: Path, monkeypatch):
     key = fake_key()
     write_receipt(key, passing_results())
     monkeypatch.setattr(eq, "device_key", lambda device: key)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for device in ("cpu", torch.device("cpu")):
         with pytest.raises(ValueError, match="needs a CUDA device") as error:
             select_attn_implementation("triton_fa2", device)

@@ -8,11 +8,10 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from tiny_models import tiny_mistral_config
 
 from align.data.loader import TokenBatch
+from align.eval.logprobs import full_logits_sequence_logps as sequence_logps
 from align.losses.dpo import LOSSES, DPOObjective, dpo_objective
 from align.losses.fused import (
     IGNORE_INDEX,
@@ -23,10 +22,8 @@ from align.losses.fused import (
     fused_token_logps,
     shift_labels,
 )
-from align.losses.metrics import add_metric_sums, metric_sums, reduce_metrics
 from align.losses.reference import reference_dpo, reference_nll, reference_sequence_logps
 from align.model.mistral import NmoMistralForCausalLM
-from align.train.logprobs import full_logits_sequence_logps as sequence_logps
 
 # These matrices are tiny: thread hand-offs would cost far more than the arithmetic.
 torch.set_num_threads(1)
@@ -382,72 +379,3 @@ def test_shift_labels_and_fused_equal_full_logits_sequence_logps(tied):
 
     assert torch.allclose(logps, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(counts, batch.loss_mask[:, 1:].sum(-1))
-
-
-# --- metrics across ranks ----------------------------------------------------------------
-
-METRICS_CASE = Case(rows=10, length=9, hidden=16, vocab=53, chunk=8, ignored=0.2, seed=6)
-METRICS_OBJECTIVE = DPOObjective(beta=0.2, rpo_alpha=0.3)
-RANK_PAIRS = ([0, 1, 2], [3, 4])
-
-
-def pair_subset_result(pairs: list[int]):
-    hidden, weight, labels = make_inputs(METRICS_CASE, torch.float32)
-    ref_chosen, ref_rejected = reference_logps_apart_from_policy(hidden, weight, labels)
-    total = METRICS_CASE.rows // 2
-    rows = torch.tensor(pairs + [p + total for p in pairs])
-    index = torch.tensor(pairs)
-    return fused_dpo(
-        hidden[rows].detach(),
-        weight.detach(),
-        labels[rows],
-        ref_chosen[index].float(),
-        ref_rejected[index].float(),
-        METRICS_OBJECTIVE,
-        METRICS_CASE.chunk,
-    )
-
-
-def metrics_worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        pairs = RANK_PAIRS[rank]
-        # Two micro-batches per rank, accumulated before the one reduction.
-        sums = add_metric_sums(
-            metric_sums(pair_subset_result(pairs[:1])), metric_sums(pair_subset_result(pairs[1:]))
-        )
-        torch.save(reduce_metrics(sums), f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def test_metrics_reduce_across_two_gloo_ranks_as_over_the_union(tmp_path):
-    mp.spawn(metrics_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    expected = reduce_metrics(metric_sums(pair_subset_result([0, 1, 2, 3, 4])))
-
-    assert set(expected) >= {
-        "rewards/chosen",
-        "rewards/rejected",
-        "rewards/margins",
-        "rewards/accuracies",
-        "logps/chosen",
-        "logps/rejected",
-        "loss",
-        "nll_loss",
-    }
-    for rank in range(2):
-        reduced = torch.load(tmp_path / f"rank{rank}.pt")
-        assert reduced.keys() == expected.keys()
-        for name, value in expected.items():
-            assert reduced[name] == pytest.approx(value, rel=1e-6, abs=1e-9), name
-
-
-def test_metrics_without_a_process_group_are_local_means():
-    result = pair_subset_result([0, 1, 2, 3, 4])
-    metrics = reduce_metrics(metric_sums(result))
-    assert metrics["rewards/accuracies"] == pytest.approx(
-        float((result.chosen_rewards > result.rejected_rewards).double().mean())
-    )
-    assert metrics["logps/rejected"] == pytest.approx(float(result.rejected_logps.double().mean()))
-    assert metrics["loss"] == pytest.approx(float(result.loss))

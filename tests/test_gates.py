@@ -1,7 +1,8 @@
 """Each gate of GATE_ORDER broken alone on an otherwise valid finished run.
 
 The refusal has the gate's exit code, names the gate with expected vs found, runs
-nothing after it, and (gates 1-4) never imports torch.
+nothing after it, and (gates 1-4) never imports torch. A finished run copied to
+another directory passes its gates there, checked from a third, on its own bytes.
 """
 
 from __future__ import annotations
@@ -14,12 +15,20 @@ import time
 from pathlib import Path
 
 import pytest
+from safetensors.numpy import load_file
 
+from align.config import ArmConfig, load_config
 from align.exit_codes import GATE_REFUSED, PREFLIGHT_REFUSED
+from align.model.weights_hash import file_tensors_hash, read_safetensors_header
+from align.paths import SPLITS, RunPaths
+from align.receipts import hash_file, read_json
+from align.train.ref_cache import TENSORS_HASH, read_cache_key, ref_forward_impl, write_ref_cache
 
 REPO = Path(__file__).resolve().parents[1]
 DPO = REPO / "workflow" / "scripts" / "dpo.py"
 ARGILLA = REPO / "config" / "arms" / "argilla.toml"
+# What rules/common.smk passes every stage for the default config/config.yaml.
+RUN_OVERRIDES = ("--run.base_model=resources/tiny/base", "--run.sft_checkpoint=")
 pytestmark = pytest.mark.slow
 
 
@@ -78,6 +87,13 @@ def test_failed_sft_gate_is_refused_first(run_copy):
     print(f"sft_gate refusal {seconds:.3f} s")
 
 
+def test_a_checkpoint_without_weights_is_refused_with_exit_3_naming_the_file(run_copy):
+    (run_copy / "results/sft/checkpoint/model.safetensors").unlink()
+    run, _ = refuse(run_copy)
+    assert_refused(run, "sft_gate", "is not a checkpoint", "no model.safetensors")
+    assert "Traceback" not in run.stderr
+
+
 def test_manifest_count_differing_from_the_preregistration_is_refused(run_copy):
     run, _ = refuse(run_copy, "--data.expected_train_pairs=1")
     assert_refused(run, "manifest", "expected 1", "found")
@@ -106,9 +122,9 @@ def test_path_bias_decision_not_honoured_is_refused(run_copy):
 def test_preflight_over_the_host_memory_is_refused_with_exit_6(run_copy):
     run, _ = refuse(run_copy, "--preflight.host_memory_fraction=0.0001")
     reason = assert_refused(
-        run, "preflight", "projected job RSS", "optimizer_state", code=PREFLIGHT_REFUSED
+        run, "preflight", "projected RSS", "per node", "optimizer_state", code=PREFLIGHT_REFUSED
     )
-    assert "exceeds" in reason
+    assert "exceeds 0% of the node's" in reason
 
 
 def test_probe_from_another_topology_is_refused(run_copy):
@@ -123,3 +139,145 @@ def test_projection_undershooting_the_measured_peak_is_a_failed_calibration(run_
     )
     run, _ = refuse(run_copy)
     assert_refused(run, "probe", "failed calibration")
+
+
+def test_pure_bf16_masters_at_a_dpo_learning_rate_are_refused_with_exit_6(run_copy):
+    run, _ = refuse(run_copy, "--model.master_dtype=bfloat16", "--lr=5e-7")
+    reason = assert_refused(
+        run,
+        "preflight",
+        "model.master_dtype = 'bfloat16'",
+        "optimizer.lr = 5e-07",
+        code=PREFLIGHT_REFUSED,
+    )
+    moved = float(reason.split("one step would move ")[1].split("%")[0])
+    assert moved < 5, reason
+    assert not imported_torch(run)
+
+
+def test_pure_bf16_masters_at_a_learning_rate_they_can_represent_pass(run_copy):
+    run, _ = refuse(run_copy, "--model.master_dtype=bfloat16", "--lr=1e-2", "--gates-only")
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_projected_device_memory_over_the_device_is_refused_with_exit_6(run_copy):
+    run, _ = refuse(run_copy, "--run.device=cuda", "--preflight.device_memory_gb=0.5")
+    reason = assert_refused(
+        run,
+        "preflight",
+        "projected device memory",
+        "MiB per GPU",
+        "preflight.device_memory_gb",
+        code=PREFLIGHT_REFUSED,
+    )
+    for term in ("master_weights", "optimizer_state", "activations", "loss_head", "cuda_context"):
+        assert term in reason, reason
+    assert not imported_torch(run)
+
+
+# --- the reference cache's own bytes -----------------------------------------------------
+
+
+def argilla_cache(results: Path, split: str) -> Path:
+    impl = ref_forward_impl(load_config(ARGILLA, ArmConfig).cfg.ref)
+    return RunPaths.of(results).arm("argilla").ref_cache(impl, split)
+
+
+def flip_tensor_byte(path: Path, tensor: str | None = None) -> None:
+    """Flip one bit of `tensor` (default: the first in the file), as bit rot would."""
+    locations = read_safetensors_header(path)
+    location = locations[tensor] if tensor else min(locations.values(), key=lambda t: t.begin)
+    data = bytearray(path.read_bytes())
+    data[location.begin] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_flipped_byte_in_the_cache_is_refused_naming_the_file_and_both_hashes(run_copy, split):
+    cache = argilla_cache(run_copy / "results", split)
+    recorded = read_json(cache.parent / "receipt.json")["caches"][split][TENSORS_HASH]
+    flip_tensor_byte(cache, "chosen_logps")
+    run, _ = refuse(run_copy)
+    assert_refused(
+        run,
+        "ref_cache",
+        f"{split}.safetensors: tensor bytes hash expected {recorded[:12]}",
+        f"found {file_tensors_hash(cache)[:12]}",
+    )
+    assert not imported_torch(run)
+
+
+def test_cache_rewritten_with_its_own_hash_is_refused_against_the_receipt(run_copy):
+    cache = argilla_cache(run_copy / "results", "train")
+    arrays, key = load_file(str(cache)), read_cache_key(cache)
+    chosen = arrays["chosen_logps"] + 0.5
+    write_ref_cache(cache, arrays["pair_id"], chosen, arrays["rejected_logps"], key)
+    run, _ = refuse(run_copy)
+    assert_refused(run, "ref_cache", "tensor bytes hash expected", "receipt.json")
+
+
+# --- a finished run copied elsewhere -----------------------------------------------------
+
+
+@pytest.fixture
+def moved(finished_workflow, tmp_path) -> tuple[Path, Path]:
+    """(copied results dir, a third directory to run from). Only results/ is copied: the
+    default's SFT checkpoint lies inside it, and the gates read nothing else."""
+    results = tmp_path / "moved" / "results"
+    shutil.copytree(finished_workflow / "results", results, symlinks=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    return results, elsewhere
+
+
+def gates_from(cwd: Path, results: Path, *overrides: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-X", "importtime", str(DPO), str(ARGILLA)]
+    return subprocess.run(
+        [*command, f"--run.results_dir={results}", *RUN_OVERRIDES, *overrides],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_copied_run_checked_from_another_directory_passes_its_gates(moved, finished_workflow):
+    results, elsewhere = moved
+    run = gates_from(elsewhere, results, "--gates-only")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert not imported_torch(run)
+    for gate in ("sft_gate", "manifest", "ref_cache", "path_bias", "preflight", "probe"):
+        assert f"  {gate}" in run.stderr
+    assert "checkpoint=sft/checkpoint" in run.stderr
+    assert str(finished_workflow) not in run.stderr
+
+
+TAMPERED = {
+    "shard": ("data/argilla/train/pairs.safetensors", "manifest"),
+    "cache": ("argilla/ref/sdpa-fp32-b16-padded/held.safetensors", "ref_cache"),
+    "sft_weights": ("sft/checkpoint/model.safetensors", "sft_gate"),
+}
+
+
+@pytest.mark.parametrize("name", TAMPERED)
+def test_a_file_tampered_in_a_copied_run_is_caught_in_the_copy(moved, finished_workflow, name):
+    results, elsewhere = moved
+    relative, gate = TAMPERED[name]
+    original = finished_workflow / "results" / relative
+    untouched = hash_file(original)
+    flip_tensor_byte(results / relative)
+    run = gates_from(elsewhere, results)
+    named = results / relative if name != "sft_weights" else results / "sft" / "checkpoint"
+    assert_refused(run, gate, f"{named}: ", "expected", "found")
+    assert hash_file(original) == untouched
+
+
+def test_a_copied_receipt_sending_the_gates_to_the_original_run_is_refused(
+    moved, finished_workflow
+):
+    results, elsewhere = moved
+    original = finished_workflow / "results" / "sft" / "checkpoint"
+    edit_json(results / "sft" / "gate.json", lambda r: r.update(checkpoint=str(original)))
+    run = gates_from(elsewhere, results)
+    assert_refused(run, "sft_gate", repr(str(original)), "outside the results directory")
+    assert not imported_torch(run)

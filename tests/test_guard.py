@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from filelock import FileLock
@@ -16,6 +18,7 @@ from align.utils.guard import (
     apply_resource_guards,
     assert_expected_host,
     assert_paths_off_root,
+    heavy_lock_path,
 )
 
 
@@ -40,6 +43,20 @@ def test_heavy_lock_is_free_again_once_its_holder_exits(tmp_path):
     lock_path = tmp_path / "heavy.lock"
     assert take_lock_in_child(lock_path, "refuse").returncode == 0
     assert take_lock_in_child(lock_path, "refuse").returncode == 0
+
+
+def test_inside_a_slurm_job_no_heavy_lock_is_taken(tmp_path, monkeypatch):
+    lock_path = tmp_path / "heavy.lock"
+    monkeypatch.setenv("SLURM_JOB_ID", "12345")
+    with FileLock(str(lock_path)):
+        child = take_lock_in_child(lock_path, "refuse")
+    assert child.returncode == 0, child.stderr
+
+
+def test_the_default_heavy_lock_is_this_users_own():
+    path = heavy_lock_path("")
+    assert path.name == f"align-heavy-{os.getuid()}.lock"
+    assert heavy_lock_path("/somewhere/else.lock") == Path("/somewhere/else.lock")
 
 
 def test_unknown_lock_mode_is_a_config_error(tmp_path):

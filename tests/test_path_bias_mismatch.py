@@ -15,6 +15,8 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,11 +27,13 @@ from tiny_pairs import write_tiny_pairs
 
 from align.config import ArmConfig, RefConfig, RunConfig, apply_overrides
 from align.data.loader import PairShard
+from align.eval.logprobs import sequence_logps_and_counts
+from align.exit_codes import GATE_REFUSED, AlignError
 from align.losses.dpo import dpo_objective
+from align.model.weights_hash import read_safetensors_header
 from align.paths import SPLITS, RunPaths
 from align.receipts import load_receipt, read_json
 from align.train.dpo_stage import dpo_objective_of
-from align.train.logprobs import sequence_logps_and_counts
 from align.train.path_bias import ACCEPT, RECOMPUTE, required_forward_impl
 from align.train.ref_cache import expected_key, load_ref_cache, read_cache_key
 from align.train.ref_precompute import precompute_ref_caches, run_path_bias
@@ -154,6 +158,25 @@ def test_bfloat16_training_against_a_float32_cache_demands_a_recompute(tiny):
     print(f"bfloat16 b4 vs cache float32 b16: mean |margin| {figures['mean_abs']:.2e}")
     assert figures["training_forward_impl"] == "sdpa-bf16-b4-padded"
     assert required_forward_impl({"figures": figures}) == "sdpa-bf16-b4-padded"
+    # The name comes from what the loaded policy computes in, read back from it.
+    precision = figures["precision"]
+    assert (precision["compute"], precision["master"]) == ("bfloat16", "float32")
+    assert precision["read_back"]["linear_outputs"] == ["bfloat16"]
+
+
+def test_a_cache_key_that_names_another_dtype_than_the_reference_computes_is_refused(tiny):
+    impl = "sdpa-bf16-b16-padded"
+    key = expected_key(
+        tiny["checkpoint"], tiny["shard"], SEQ, "prompt_left_response_right", "float32", impl
+    )
+    with pytest.raises(AlignError, match=r"names dtype 'float32'.*computes in 'bfloat16'"):
+        precompute_ref_caches(
+            tiny["checkpoint"],
+            [(str(tiny["shard"]), tiny["work"] / "wrong" / "train.safetensors", key)],
+            RefConfig(batch_size=16, dtype="bfloat16"),
+            RunConfig(threads=1),
+            tiny["work"],
+        )
 
 
 # --- end to end on a copy of the finished workflow ---------------------------------------
@@ -231,7 +254,7 @@ def test_bfloat16_shared_training_recomputes_the_cache_with_its_layout_and_train
     result = load_receipt(arm.arm_result, "dpo", stage="dpo")
     for split in SPLITS:
         cache = arm.ref_cache(TRAINING_IMPL, split)
-        assert result["caches"][split] == str(cache.relative_to(work))
+        assert result["caches"][split] == str(cache.relative_to(work / "results"))
         key = read_cache_key(cache)
         assert (key["forward_impl"], key["dtype"]) == (TRAINING_IMPL, "bfloat16"), key
     assert result["path_bias"]["action"] == RECOMPUTE
@@ -240,3 +263,32 @@ def test_bfloat16_shared_training_recomputes_the_cache_with_its_layout_and_train
     built = read_json(arm.ref_receipt(TRAINING_IMPL))
     assert built["figures"]["train"]["key"]["forward_impl"] == TRAINING_IMPL
     assert built["figures"]["train"]["world_size"] == 2
+    # Every stage on this path read back bf16 compute over float32 masters.
+    for precision in (
+        built["figures"]["train"]["precision"],
+        figures["precision"],
+        result["figures"]["precision"],
+    ):
+        assert (precision["compute"], precision["master"]) == ("bfloat16", "float32")
+        assert precision["read_back"]["linear_outputs"] == ["bfloat16"]
+    assert "compute bfloat16, master float32" in result["figures"]["banner"]
+
+    # The recomputed cache's bytes are checked too: one flipped bit is refused at path_bias.
+    cache = arm.ref_cache(TRAINING_IMPL, "held")
+    data = bytearray(cache.read_bytes())
+    data[read_safetensors_header(cache)["chosen_logps"].begin] ^= 0x01
+    cache.write_bytes(bytes(data))
+    dpo, toml = REPO / "workflow" / "scripts" / "dpo.py", work.parent / "arms" / f"{ARM}.toml"
+    gates = subprocess.run(
+        [sys.executable, str(dpo), str(toml), "--gates-only"],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert gates.returncode == GATE_REFUSED, gates.stderr[-3000:]
+    recorded = built["caches"]["held"]["tensors_hash"]
+    assert (
+        f"gate path_bias: {cache.relative_to(work)}: tensor bytes hash expected {recorded[:12]}"
+        in gates.stderr
+    ), gates.stderr[-3000:]

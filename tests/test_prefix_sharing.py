@@ -16,12 +16,12 @@ from align.data.loader import (
     collate_shared_prompt,
 )
 from align.data.shards import PAIR_FORMAT, write_shard
+from align.eval.logprobs import full_logits_sequence_logps, sequence_logps_and_counts
 from align.exit_codes import ConfigError
 from align.losses.dpo import DPOObjective, dpo_objective
 from align.losses.fused import IGNORE_INDEX
 from align.model.mistral import NmoMistralForCausalLM, build_segment_mask
 from align.model.tiny import initialize_weights
-from align.train.logprobs import full_logits_sequence_logps, sequence_logps_and_counts
 from align.train.session import check_shard_layout
 
 VOCAB = 61

@@ -1,4 +1,5 @@
-"""Atomic receipts, content hashes and receipt reading for gates (align.receipts)."""
+"""Atomic receipts, content hashes, receipt reading for gates (align.receipts), and the
+files receipts name, relative to the results directory (align.paths)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 
 from align import __version__
 from align import receipts as rc
+from align.config import ArmConfig, load_config
 from align.exit_codes import GATE_REFUSED, GateRefused
+from align.paths import RunPaths
 from align.receipts import (
     SCHEMA_VERSION,
     atomic_path,
@@ -24,6 +27,7 @@ from align.receipts import (
     write_json_atomic,
 )
 
+ARM_TOML = Path(__file__).resolve().parents[1] / "config" / "arms" / "argilla.toml"
 ENVELOPE = {
     "schema_version",
     "stage",
@@ -280,3 +284,55 @@ def test_verify_hash_refuses_a_changed_file_naming_expected_and_found(tmp_path):
 def test_verify_hash_refuses_a_missing_file(tmp_path):
     with pytest.raises(GateRefused, match="missing"):
         verify_hash("manifest", tmp_path / "gone.bin", "0" * 64)
+
+
+# --- portable receipts: files named against the results directory -----------------------
+
+
+def test_a_file_inside_the_results_dir_is_recorded_relative_to_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    paths = RunPaths.of("results")
+    assert paths.recorded(paths.sft_checkpoint) == "sft/checkpoint"
+    assert paths.recorded(tmp_path / "results" / "data" / "x") == "data/x"
+    assert paths.recorded("resources/base") == str(tmp_path / "resources" / "base")
+
+
+def test_a_recorded_name_resolves_against_the_results_dir_in_use(tmp_path):
+    original, moved = RunPaths.of(tmp_path / "a" / "results"), RunPaths.of(tmp_path / "b")
+    name = original.recorded(original.manifest)
+    assert name == "data/manifest.json"
+    assert moved.resolve(name, "manifest", "r.json") == tmp_path / "b" / "data" / "manifest.json"
+
+
+@pytest.mark.parametrize("name", ["../elsewhere/pairs.safetensors", "/somewhere/else/checkpoint"])
+def test_a_receipt_naming_a_file_outside_the_results_dir_is_refused(tmp_path, name):
+    paths = RunPaths.of(tmp_path / "results")
+    with pytest.raises(GateRefused) as err:
+        paths.resolve(name, "sft_gate", "sft/gate.json")
+    message = str(err.value)
+    assert err.value.exit_code == GATE_REFUSED
+    assert "gate sft_gate: sft/gate.json" in message and repr(name) in message
+    assert f"outside the results directory {tmp_path / 'results'}" in message
+
+
+def test_an_external_location_the_config_names_may_be_named_by_a_receipt(tmp_path):
+    store, data = tmp_path / "store" / "sft", tmp_path / "data"
+    paths = RunPaths.of(tmp_path / "results", [store, data / "*.jsonl"])
+    assert paths.resolve(str(store), "sft_gate", "g.json") == store
+    assert paths.resolve(str(store / "model.safetensors"), "g", "g.json").parent == store
+    assert paths.resolve(str(data / "a.jsonl"), "manifest", "m.json") == data / "a.jsonl"
+    with pytest.raises(GateRefused, match="outside the results directory"):
+        paths.resolve(str(tmp_path / "store" / "other"), "sft_gate", "g.json")
+
+
+def test_of_config_names_the_sft_checkpoint_base_model_and_data_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    overrides = ["--run.sft_checkpoint=/models/sft", "--run.results_dir=out"]
+    cfg = load_config(ARM_TOML, ArmConfig, overrides).cfg
+    paths = RunPaths.of_config(cfg)
+    assert paths.results == Path("out")
+    assert paths.external == (
+        "/models/sft",
+        str(tmp_path / cfg.run.base_model),
+        *(str(tmp_path / f) for f in cfg.data.files),
+    )

@@ -10,14 +10,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file, save_file
 
+from align.data.metadata import read_metadata, single_key_metadata
 from align.data.synthetic import default_texts, write_default_data
 from align.exit_codes import GATE_REFUSED, GateRefused
 from align.model.tiny import make_tiny_model
 from align.model.tokenizer import TOKENIZER_FILE, train_bpe_tokenizer
+from align.model.weights_hash import file_tensors_hash, read_safetensors_header
 from align.train.ref_cache import (
+    CACHE_FORMAT,
     KEY_COMPONENTS,
+    TENSORS_HASH,
+    arrays_tensors_hash,
     check_key,
+    check_tensors,
     expected_key,
     forward_impl_name,
     load_ref_cache,
@@ -109,6 +116,64 @@ def test_extra_pair_ids_in_the_cache_are_refused(cache):
 
 def test_a_missing_cache_is_refused(tmp_path):
     assert "missing" in refusal(check_key, tmp_path / "absent.safetensors", KEY)
+
+
+# --- the cache's own bytes ------------------------------------------------------------------
+
+
+def flip_tensor_byte(path: Path, tensor: str) -> None:
+    """One bit of `tensor`'s first element, as bit rot or a partial overwrite would leave it."""
+    begin = read_safetensors_header(path)[tensor].begin
+    data = bytearray(path.read_bytes())
+    data[begin] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_the_cache_records_the_hash_of_its_tensor_bytes(cache, tmp_path):
+    recorded = read_metadata(cache)[TENSORS_HASH]
+    assert recorded == file_tensors_hash(cache) == arrays_tensors_hash(load_file(str(cache)))
+    again = tmp_path / "again.safetensors"
+    assert write_ref_cache(again, IDS, CHOSEN, REJECTED, KEY) == recorded
+    assert write_ref_cache(again, IDS, CHOSEN + 1e-6, REJECTED, KEY) != recorded
+
+
+def test_unchanged_tensor_bytes_pass_the_check(cache):
+    check_tensors(cache, file_tensors_hash(cache), "receipt.json")
+
+
+@pytest.mark.parametrize("tensor", ["chosen_logps", "rejected_logps", "pair_id"])
+def test_flipped_byte_in_a_cache_tensor_is_refused_naming_the_file_and_both_hashes(cache, tensor):
+    recorded = file_tensors_hash(cache)
+    flip_tensor_byte(cache, tensor)
+    found = file_tensors_hash(cache)
+    message = refusal(check_tensors, cache, recorded, "receipt.json")
+    assert f"{cache}: tensor bytes hash expected {recorded[:12]}" in message
+    assert "(recorded by receipt.json)" in message
+    assert f"found {found[:12]}" in message
+    # The loader hashes the arrays it returns, against the cache's metadata.
+    message = refusal(load_ref_cache, cache, KEY, IDS)
+    assert f"{cache}: tensor bytes hash expected {recorded[:12]}" in message
+    assert f"found {found[:12]}" in message
+
+
+def test_cache_rewritten_with_its_own_hash_is_refused_against_the_receipt(cache):
+    recorded = file_tensors_hash(cache)
+    write_ref_cache(cache, IDS, CHOSEN - 1.0, REJECTED, KEY)
+    load_ref_cache(cache, KEY, IDS)  # consistent with itself ...
+    message = refusal(check_tensors, cache, recorded, "receipt.json")  # ... not with the receipt
+    assert f"expected {recorded[:12]}" in message
+    assert f"found {file_tensors_hash(cache)[:12]}" in message
+
+
+def test_metadata_hash_differing_from_the_receipt_is_refused(cache):
+    recorded = file_tensors_hash(cache)
+    arrays = load_file(str(cache))
+    metadata = {"format": CACHE_FORMAT, "key": KEY, TENSORS_HASH: "0" * 64}
+    save_file(arrays, str(cache), metadata=single_key_metadata(metadata))
+    message = refusal(check_tensors, cache, recorded, "receipt.json")
+    assert f"metadata {TENSORS_HASH} expected {recorded[:12]}" in message
+    assert "found 000000000000" in message
+    assert "tensor bytes hash expected" in refusal(load_ref_cache, cache, KEY, IDS)
 
 
 def test_forward_impl_name_describes_the_path():

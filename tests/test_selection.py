@@ -20,7 +20,15 @@ from align.eval.generation import generation_prompts
 from align.eval.sanity import GenerationBand
 from align.exit_codes import GATE_REFUSED, ConfigError, GateRefused
 from align.paths import RunPaths
-from align.receipts import DESCOPED, FAILED, PASSED, hash_file, read_json, write_json_atomic
+from align.receipts import (
+    DESCOPED,
+    FAILED,
+    PASSED,
+    SCHEMA_VERSION,
+    hash_file,
+    read_json,
+    write_json_atomic,
+)
 
 torch.set_num_threads(1)
 
@@ -163,13 +171,16 @@ def test_generation_prompts_are_the_first_distinct_ones():
     assert paired.response_lengths(union) == {"chosen": 1.0, "rejected": 2.0}
 
 
+FLOAT32 = {"compute": "float32", "master": "float32"}
+
+
 def test_arms_are_judged_by_implicit_reward_and_the_sft_policy_by_its_own_preference():
     sft = paired.PolicyScores(
-        np.array([-5.0, -5, -5]), np.array([-4.0, -6, -5]), [3, 5], [True, True]
+        np.array([-5.0, -5, -5]), np.array([-4.0, -6, -5]), [3, 5], [True, True], FLOAT32
     )
     # Margins against SFT: (-6+5) - (-6+4) = 1 > 0; (-9+5) - (-3+6) = -7; tie 0 -> wrong.
     arm = paired.PolicyScores(
-        np.array([-6.0, -9, -7]), np.array([-6.0, -3, -7]), [9, 11], [True, False]
+        np.array([-6.0, -9, -7]), np.array([-6.0, -3, -7]), [9, 11], [True, False], FLOAT32
     )
     correct = paired.correctness({sel.SFT: sft, "argilla": arm})
     assert correct[sel.SFT].tolist() == [False, True, False]
@@ -187,6 +198,7 @@ def test_arms_are_judged_by_implicit_reward_and_the_sft_policy_by_its_own_prefer
         "terminated_fraction": 0.5,
     }
     assert figures["policies"][sel.SFT]["mean_chosen_logp_change"] == 0.0
+    assert policy["precision"] == FLOAT32
     assert len(figures["comparisons"]) == 1
 
 
@@ -497,7 +509,7 @@ def held_shard(tokenizer, rng, n: int) -> dict[str, np.ndarray]:
 def fabricated_run(tmp_path_factory) -> Path:
     """A results dir as the workflow leaves it before select_arms, with tiny random models:
     alpha passed, beta was ended by a tripwire, gamma was descoped. Receipts name paths
-    relative to the run directory, as the workflow's do."""
+    relative to the results directory, as the workflow's do."""
     from align.data.shards import PAIR_FORMAT, write_shard
     from align.model.tiny import make_tiny_model
     from align.model.tokenizer import load_tokenizer, train_bpe_tokenizer
@@ -508,14 +520,14 @@ def fabricated_run(tmp_path_factory) -> Path:
     tok_dir = train_bpe_tokenizer(["a chosen answer", "a rejected answer"] * 20, 300, work / "tok")
     tokenizer = load_tokenizer(tok_dir)
     make_tiny_model(work / paths.sft_checkpoint, tok_dir, seed=0, **TINY_SIZES)
-    receipt = {"schema_version": 1, "status": PASSED}
+    receipt = {"schema_version": SCHEMA_VERSION, "status": PASSED}
     write_json_atomic(
         work / paths.sft_gate,
         {
             **receipt,
             "stage": "sft_gate",
             "passed": True,
-            "checkpoint": str(paths.sft_checkpoint),
+            "checkpoint": recorded(paths.sft_checkpoint),
             "checkpoint_hash": weights_hash(work / paths.sft_checkpoint),
         },
     )
@@ -524,7 +536,7 @@ def fabricated_run(tmp_path_factory) -> Path:
     for arm in ARMS:
         shard = paths.arm(arm).shard("held")
         write_shard(work / shard, held_shard(tokenizer, rng, 24), PAIR_FORMAT, arm=arm)
-        arms[arm] = {"shards": {"held": {"path": str(shard), "hash": hash_file(work / shard)}}}
+        arms[arm] = {"shards": {"held": {"path": recorded(shard), "hash": hash_file(work / shard)}}}
     pins = {"pad_id": tokenizer.pad_id, "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id}
     write_json_atomic(
         work / paths.manifest, {**receipt, "stage": "build_manifest", "arms": arms, "pins": pins}
@@ -538,9 +550,9 @@ def fabricated_run(tmp_path_factory) -> Path:
             "stage": "dpo",
             "arm": arm,
             "descoped": False,
-            "checkpoint": str(paths.sft_checkpoint),
-            "policy": str(policy),
-            "outputs": {str(policy): weights_hash(work / policy)},
+            "checkpoint": recorded(paths.sft_checkpoint),
+            "policy": recorded(policy),
+            "outputs": {recorded(policy): weights_hash(work / policy)},
         }
         write_json_atomic(work / paths.arm(arm).arm_result, {**result, **extra})
     descoped = {"stage": "dpo", "arm": "gamma", "descoped": True, "reason": "kept 24 pairs"}
@@ -559,6 +571,11 @@ SELECTION_TOML = (
 )
 # The random tiny models never end a generation; most tests here are about the other rules.
 PERMISSIVE_BAND = "[generation.band]\nmin_terminated_vs_sft = 0.0\nmin_terminated_vs_chosen = 0.0\n"
+
+
+def recorded(path: Path) -> str:
+    """A path under results/ as a receipt names it: relative to the results directory."""
+    return path.relative_to("results").as_posix()
 
 
 def run_select(work: Path) -> subprocess.CompletedProcess:
@@ -610,19 +627,20 @@ def test_the_stage_scores_measured_policies_on_the_union_of_held_out_shards(sele
     for policy in figures["policies"].values():
         assert policy["n"] == 72 and policy["generation"]["prompts"] == 3
         assert 0 <= policy["generation"]["mean_tokens"] <= 6
+        # Read back from the live model that scored, not copied from the config.
+        assert policy["precision"]["compute"] == "float32", policy["precision"]
     assert figures["policies"][sel.SFT]["mean_chosen_logp_change"] == 0.0
+    assert len(figures["devices"]) == 1 and ":cpu" in figures["devices"][0], figures
 
 
 def test_the_receipt_records_the_rule_and_the_hashes_of_what_it_read(selection, fabricated_run):
     paths = RunPaths.of("results")
     inputs = selection["inputs"]
     for arm in ARMS:
-        assert inputs[str(paths.arm(arm).arm_result)] == hash_file(
+        assert inputs[f"{arm}/arm_result.json"] == hash_file(
             fabricated_run / paths.arm(arm).arm_result
         )
-    policies = {str(paths.arm(arm).policy_dir) for arm in ("alpha", "beta")}
-    assert policies <= set(inputs)
-    assert str(paths.sft_checkpoint) in inputs
+    assert {"alpha/policy", "beta/policy", "sft/checkpoint"} <= set(inputs)
     assert selection["rule"]["name"] == "paired_accuracy"
     assert selection["rule"]["paired"]["n_boot"] == 500
     eval_set = selection["figures"]["eval_set"]
@@ -661,17 +679,18 @@ def test_a_named_eval_shard_must_be_a_pair_shard(fabricated_run, tmp_path):
 
 def test_a_passed_arm_result_without_a_policy_is_refused(tmp_path):
     paths = RunPaths.of(tmp_path / "results")
-    result = {"schema_version": 1, "stage": "dpo", "status": PASSED, "arm": "alpha"}
+    sft = str(paths.sft_checkpoint)
+    result = {"schema_version": SCHEMA_VERSION, "stage": "dpo", "status": PASSED, "arm": "alpha"}
     write_json_atomic(paths.arm("alpha").arm_result, result)
     with pytest.raises(GateRefused, match="a PASSED arm result names no policy"):
-        sel.arm_result_gate(paths, "alpha", "results/sft/checkpoint")
+        sel.arm_result_gate(paths, "alpha", sft)
     write_json_atomic(paths.arm("alpha").arm_result, {**result, "arm": "beta"})
     with pytest.raises(GateRefused, match="arm expected 'alpha', found 'beta'"):
-        sel.arm_result_gate(paths, "alpha", "results/sft/checkpoint")
-    trained_elsewhere = {**result, "policy": "results/alpha/policy", "checkpoint": "other/sft"}
+        sel.arm_result_gate(paths, "alpha", sft)
+    trained_elsewhere = {**result, "policy": "alpha/policy", "checkpoint": "other/sft"}
     write_json_atomic(paths.arm("alpha").arm_result, trained_elsewhere)
     with pytest.raises(GateRefused, match="trained from 'other/sft'"):
-        sel.arm_result_gate(paths, "alpha", "results/sft/checkpoint")
+        sel.arm_result_gate(paths, "alpha", sft)
 
 
 def test_the_stage_with_no_eligible_arm_writes_a_failed_receipt_naming_every_reason(

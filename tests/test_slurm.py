@@ -1,13 +1,17 @@
-"""The workflow on a real Slurm cluster (one node, .ci/slurm_up.sh): what each job asked for.
+"""The workflow on a real Slurm cluster (two nodes on this host, .ci/slurm_up.sh): what each
+job asked for, and how its stops end.
 
-The `gates` target and one arm's `dpo` of a reduced tiny config run through
-`--executor slurm`; then the submitted jobs are read back from the controller
-(`scontrol show job`) and their requested memory, time, CPUs, GPUs and partition are
-checked against what the receipts demanded. The first attempt of each training stage
-is capped at one trainer second, so it stops at a step boundary and exits 75, and the
-retry must resume from the checkpoint it left. A second run asks for CUDA, which this
-node cannot give: its job must still have requested every GPU in one task on the GPU
-partition, and the stage must refuse rather than fall back to the CPU.
+`snakemake --executor slurm arms` runs one arm of a reduced tiny config; then the submitted
+jobs are read back from the controller (`scontrol show job`) and their requested memory,
+time, CPUs, GPUs and partition are checked against what the receipts demanded. The first
+SFT attempt is capped at one trainer second, so it stops at a step boundary and exits 75;
+the first DPO attempt gets a one-minute time limit, so Slurm's pre-timeout SIGTERM stops
+it; each retry must resume from the checkpoint its first attempt left. In a copy of that
+run the same arm trains on two nodes of one rank each: its job spans both slurmd, is sent
+SIGTERM with scancel while it trains, and its retry ends with the same weights as the
+one-node run. A last run asks for CUDA, which these nodes cannot give: its job must still
+have requested every GPU in one task on the GPU partition, and the stage must refuse
+rather than fall back to the CPU.
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import dry_run_rules, run_snakemake
+from conftest import dry_run_rules, run_snakemake, snakemake_command
 
 from align.paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[1]
 ARM = "argilla"
-IN_CI = os.environ.get("CI") == "true"
+# `make test` (and so CI) brings the services up first: there a missing one is a failure.
+SERVICES_REQUIRED = os.environ.get("ALIGN_SERVICES") == "required"
 # Margins of the reduced config; the expected requests below are computed from them.
 JOB_RESOURCES = {
     "mem_mb": 1000,
@@ -40,9 +45,14 @@ JOB_RESOURCES = {
     "mem_margin": 1.25,
     "mem_overhead_mb": 512,
     "runtime_margin": 1.5,
-    "startup_s": 60,
-    "checkpoint_s": 30,
+    # No startup reserve: the trainer's own budget then ends after Slurm's pre-timeout
+    # signal, so the first DPO attempt is stopped by the signal.
+    "startup_s": 0,
+    "checkpoint_s": 10,
+    "exit_grace_s": 5,
 }
+# Long enough that the first DPO attempt still trains when its one-minute limit nears.
+ARM_EPOCHS = 4
 # One Snakemake run must finish well inside CI's budget; timeout -k makes sure it ends.
 RUN_TIMEOUT_S = 900
 
@@ -74,13 +84,13 @@ class SlurmRun:
 
 @pytest.fixture(scope="module")
 def cluster() -> None:
-    """A live controller with an idle node; under CI its absence is a failure, not a skip."""
+    """A live controller with idle nodes; under `make test` its absence is a failure."""
     if shutil.which("sinfo") is None:
-        if not IN_CI:
+        if not SERVICES_REQUIRED:
             pytest.skip(
-                "no Slurm client on this host (sinfo absent); .ci/slurm_up.sh starts a one-node cluster"
+                "no Slurm client on this host (sinfo absent); make services starts a cluster"
             )
-        pytest.fail("CI=true but no Slurm here: .ci/run must call .ci/slurm_up.sh before the tests")
+        pytest.fail("no Slurm here, though make test brought the services up (.ci/services_up.sh)")
     state = subprocess.run(
         ["sinfo", "-h", "-o", "%P %t"], capture_output=True, text=True, timeout=30
     )
@@ -107,7 +117,8 @@ def reduced_config(work: Path, **overrides) -> Path:
     arms = work / "arms"
     arms.mkdir(exist_ok=True)
     arm_toml = (REPO / "config" / "arms" / f"{ARM}.toml").read_text()
-    (arms / f"{ARM}.toml").write_text(re.sub(r"(?m)^epochs = \d+$", "epochs = 1", arm_toml))
+    arm_toml = re.sub(r"(?m)^epochs = \d+$", f"epochs = {ARM_EPOCHS}", arm_toml)
+    (arms / f"{ARM}.toml").write_text(arm_toml)
     sft_toml = (REPO / "config" / "sft.toml").read_text()
     sft_toml = re.sub(r"(?m)^epochs = \d+$", "epochs = 1", sft_toml)
     sft_toml = re.sub(r"(?m)^max_held_nll = .*$", "max_held_nll = 100.0", sft_toml)
@@ -133,9 +144,8 @@ def reduced_config(work: Path, **overrides) -> Path:
     return path
 
 
-def snakemake_on_slurm(work: Path, config: Path, *args: str) -> subprocess.CompletedProcess:
-    return run_snakemake(
-        work,
+def slurm_args(config: Path, *args: str) -> tuple[str, ...]:
+    return (
         "--configfile",
         str(config),
         "--executor",
@@ -151,8 +161,11 @@ def snakemake_on_slurm(work: Path, config: Path, *args: str) -> subprocess.Compl
         "1",
         "--slurm-no-account",
         *args,
-        timeout=RUN_TIMEOUT_S,
     )
+
+
+def snakemake_on_slurm(work: Path, config: Path, *args: str) -> subprocess.CompletedProcess:
+    return run_snakemake(work, *slurm_args(config, *args), timeout=RUN_TIMEOUT_S)
 
 
 def jobs_of(work: Path) -> list[dict[str, str]]:
@@ -173,11 +186,11 @@ def jobs_of(work: Path) -> list[dict[str, str]]:
 @pytest.fixture(scope="module")
 def slurm_run(cluster, tmp_path_factory) -> SlurmRun:
     work = tmp_path_factory.mktemp("slurm").resolve()
-    config = reduced_config(work, first_attempt_wall_s=1)
-    started = time.monotonic()
-    result = snakemake_on_slurm(
-        work, config, "--retries", "2", "gates", str(RunPaths.of("results").arm(ARM).arm_result)
+    config = reduced_config(
+        work, first_attempt_wall_s={"sft": 1}, first_attempt_runtime_min={"dpo": 1}
     )
+    started = time.monotonic()
+    result = snakemake_on_slurm(work, config, "--retries", "2", "arms")
     run = SlurmRun(work, result, jobs_of(work), time.monotonic() - started)
     print(f"slurm run: {run.seconds:.0f} s, {len(run.jobs)} jobs", file=sys.stderr)
     assert result.returncode == 0, run.output()
@@ -227,8 +240,30 @@ def test_a_dry_run_of_the_arms_lists_every_gate_in_chain_order(tmp_path):
     assert dry_run_rules(tmp_path, "arms") == [*CHAIN, "dpo", "select_arms", "arms"]
 
 
-CLUSTER_RULES = ("tiny_default", "sft", "sft_gate", "ref_cache", "path_bias", "probe", "dpo")
-TORCH_RULES = ("sft", "sft_gate", "ref_cache", "path_bias", "probe", "dpo")
+def test_a_training_stage_submitted_without_retries_is_refused_before_any_job(tmp_path):
+    """A stop at the time limit exits 75 and only a retry resumes it."""
+    run = run_snakemake(
+        tmp_path,
+        *("--executor", "slurm", "--jobs", "1", "--slurm-no-account", "--retries", "0"),
+        str(RunPaths.of("results").sft_receipt),
+        timeout=120,
+    )
+    assert run.returncode != 0
+    assert "training stages on a cluster need retries" in run.stderr, run.stderr[-3000:]
+    assert not (tmp_path / ".snakemake" / "slurm_logs").exists()
+
+
+CLUSTER_RULES = (
+    "tiny_default",
+    "sft",
+    "sft_gate",
+    "ref_cache",
+    "path_bias",
+    "probe",
+    "dpo",
+    "select_arms",
+)
+TORCH_RULES = CLUSTER_RULES[1:]
 
 
 def test_cluster_rules_are_slurm_jobs_and_bookkeeping_stays_local(slurm_run):
@@ -247,20 +282,64 @@ def test_cpu_jobs_take_one_task_no_gpu_and_the_cpu_partition(slurm_run):
         assert int(job["CPUs/Task"]) == (threads() if rule in TORCH_RULES else 1), job
 
 
-def test_unmeasured_jobs_take_the_configured_requests(slurm_run):
-    for rule in ("tiny_default", "sft_gate", "ref_cache", "path_bias", "probe"):
+def test_untimed_jobs_take_the_configured_time(slurm_run):
+    for rule in ("tiny_default", "sft_gate", "ref_cache", "path_bias", "probe", "select_arms"):
         (job,) = slurm_run.of_rule(rule)
         assert minutes(job["TimeLimit"]) == JOB_RESOURCES["runtime_min"], job
-        if rule != "probe":
-            assert memory_mb(job["MinMemoryNode"]) == JOB_RESOURCES["mem_mb"], job
-    first_sft = slurm_run.of_rule("sft")[0]
+    (job,) = slurm_run.of_rule("tiny_default")
+    assert memory_mb(job["MinMemoryNode"]) == JOB_RESOURCES["mem_mb"], job
+    first_sft, second_sft = slurm_run.of_rule("sft")
     assert minutes(first_sft["TimeLimit"]) == JOB_RESOURCES["sft_runtime_min"], first_sft
+    assert minutes(second_sft["TimeLimit"]) == 2 * JOB_RESOURCES["sft_runtime_min"], second_sft
+
+
+def projected_request(stage: str, cfg, checkpoint: Path) -> int:
+    """The memory a model-loading job must ask for: its stage's projection plus margins."""
+    from align.train.memory import job_shape, projected_job_rss
+
+    projection = projected_job_rss(job_shape(stage, cfg), checkpoint, shard_bytes=0)
+    return rss_request(projection["node_mb"], attempt=1)
+
+
+def test_model_loading_jobs_ask_for_their_stage_projection(slurm_run):
+    from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
+
+    work = slurm_run.workdir
+    arm = load_config(work / "arms" / f"{ARM}.toml", ArmConfig).cfg
+    sft = load_config(work / "sft.toml", SftConfig).cfg
+    selection = load_config(REPO / "config" / "selection.toml", SelectionConfig).cfg
+    base, checkpoint = work / "resources/tiny/base", work / "results/sft/checkpoint"
+    expected = {
+        "sft": projected_request("sft", sft, base),
+        "sft_gate": projected_request("sft_gate", sft, checkpoint),
+        "ref_cache": projected_request("ref_cache", arm, checkpoint),
+        "path_bias": projected_request("path_bias", arm, checkpoint),
+        "select_arms": projected_request("select_arms", selection, checkpoint),
+    }
+    for rule, request in expected.items():
+        job = slurm_run.of_rule(rule)[0]
+        assert memory_mb(job["MinMemoryNode"]) == request, (rule, job)
+    # Rank 0's staging of the base model and the exported policy are in the SFT request.
+    from align.train.memory import job_shape, projected_job_rss
+
+    sft_terms = projected_job_rss(job_shape("sft", sft), base, 0)["terms_mb"]
+    assert {"load_staging_rank0", "export_gather_rank0"} <= sft_terms.keys()
+
+
+def test_the_preflight_judged_the_compute_node_not_the_submit_host(slurm_run):
+    figures = slurm_run.receipt(RunPaths.of("results").arm(ARM).preflight)["figures"]
+    assert figures["node_memory_source"] == "scontrol: smallest RealMemory of partition cpu"
+    shown = subprocess.run(
+        ["scontrol", "--oneliner", "show", "node"], capture_output=True, text=True, check=True
+    )
+    real = {int(m) for m in re.findall(r"RealMemory=(\d+)", shown.stdout)}
+    assert figures["available_mb"] == min(real), (figures, real)
 
 
 def test_probe_memory_is_the_preflight_projection_plus_margin(slurm_run):
     preflight = slurm_run.receipt(RunPaths.of("results").arm(ARM).preflight)
     (probe,) = slurm_run.of_rule("probe")
-    expected = rss_request(preflight["figures"]["total_mb"], attempt=1)
+    expected = rss_request(preflight["figures"]["node_mb"], attempt=1)
     assert memory_mb(probe["MinMemoryNode"]) == expected, (probe, preflight["figures"])
 
 
@@ -268,15 +347,16 @@ def test_dpo_memory_and_time_follow_the_receipts_and_scale_with_the_attempt(slur
     paths = RunPaths.of("results").arm(ARM)
     preflight = slurm_run.receipt(paths.preflight)["figures"]
     probe = slurm_run.receipt(paths.probe)
-    rss = max(preflight["total_mb"], probe["figures"]["peak_rss_mb"])
-    reserve = JOB_RESOURCES["startup_s"] + JOB_RESOURCES["checkpoint_s"]
+    rss = max(preflight["node_mb"], probe["figures"]["peak_rss_mb"])
+    reserve = JOB_RESOURCES["startup_s"] + probe["figures"]["checkpoint_s"]
     projected = probe["figures"]["projected_wall_s"] * JOB_RESOURCES["runtime_margin"]
     runtime = math.ceil((projected + reserve) / 60)
     attempts = slurm_run.of_rule("dpo")
     assert len(attempts) == 2, attempts
     for attempt, job in enumerate(attempts, start=1):
         assert memory_mb(job["MinMemoryNode"]) == rss_request(rss, attempt), (job, rss)
-        assert minutes(job["TimeLimit"]) == runtime * attempt, (job, probe["figures"])
+        limit = min(runtime, 1) if attempt == 1 else runtime * attempt
+        assert minutes(job["TimeLimit"]) == limit, (job, probe["figures"])
 
 
 @pytest.mark.parametrize("rule", ["sft", "dpo"])
@@ -296,12 +376,133 @@ def test_the_resumed_dpo_run_records_where_it_resumed(slurm_run):
     assert result["overrides"]["trainer.resume"] is True, result["overrides"]
 
 
+def test_the_dpo_job_at_its_time_limit_saved_and_exited_75(slurm_run):
+    """The first attempt's one-minute limit: Slurm's pre-timeout SIGTERM reached the
+    launcher, every rank stopped at a step boundary with a checkpoint and exited 75 (the
+    stop marker it leaves then is what the retry records as `resumed_after`)."""
+    first, _ = slurm_run.of_rule("dpo")
+    assert first["JobState"] == "FAILED" and minutes(first["TimeLimit"]) == 1, first
+    training = slurm_run.receipt(RunPaths.of("results").arm(ARM).arm_result)["figures"]["training"]
+    assert training["resumed_after"]["reason"] == "signal SIGTERM", training
+    assert training["resumed_from"] == training["resumed_after"]["checkpoint"], training
+
+
 def test_the_trainer_budget_is_the_time_limit_less_the_reserve(slurm_run):
     result = slurm_run.receipt(RunPaths.of("results").arm(ARM).arm_result)
     _, second = slurm_run.of_rule("dpo")
-    reserve = JOB_RESOURCES["startup_s"] + JOB_RESOURCES["checkpoint_s"]
-    expected = minutes(second["TimeLimit"]) * 60 - reserve
+    probe = slurm_run.receipt(RunPaths.of("results").arm(ARM).probe)
+    reserve = JOB_RESOURCES["startup_s"] + probe["figures"]["checkpoint_s"]
+    expected = math.floor(minutes(second["TimeLimit"]) * 60 - reserve)
     assert result["overrides"]["trainer.max_wall_seconds"] == expected, result["overrides"]
+
+
+# --- the same arm on two nodes ----------------------------------------------------------
+
+
+def copy_of_run(run: SlurmRun, work: Path) -> None:
+    """The results and the tiny default of a finished run, in `work`."""
+    for tree in ("results", "resources"):
+        shutil.copytree(run.workdir / tree, work / tree, symlinks=True)
+
+
+def date_configs_before_results(work: Path) -> None:
+    """Only forced rules rerun when mtime is the one trigger and every config predates
+    every output."""
+    oldest = min(p.stat().st_mtime for p in (work / "results").rglob("*") if p.is_file())
+    for config in [*(work / "arms").iterdir(), work / "sft.toml", work / "config.yaml"]:
+        os.utime(config, (oldest - 60, oldest - 60))
+
+
+def wait_until_training(work: Path, proc: subprocess.Popen, timeout_s: float = 600) -> dict:
+    """The dpo job of `work` once its ranks have logged two optimizer steps."""
+    metrics = work / RunPaths.of("results").arm(ARM).run_dir / "metrics.jsonl"
+    deadline, running_since = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        job = next((j for j in jobs_of(work) if j["Comment"].startswith("rule_dpo")), None)
+        if job is not None and job["JobState"] == "RUNNING":
+            running_since = running_since or time.time()
+            fresh = metrics.is_file() and metrics.stat().st_mtime > running_since
+            if fresh and len(metrics.read_text().splitlines()) >= 2:
+                return job
+        time.sleep(0.5)
+    raise AssertionError(f"the dpo job of {work} never trained (snakemake exit {proc.poll()})")
+
+
+@pytest.fixture(scope="module")
+def two_node_run(slurm_run, tmp_path_factory) -> SlurmRun:
+    """The arm again on two nodes of one rank each (preflight, probe and dpo rerun in a copy of the
+    finished run); scancel sends SIGTERM to the dpo job's steps while it trains."""
+    work = tmp_path_factory.mktemp("slurm-two-nodes").resolve()
+    copy_of_run(slurm_run, work)
+    config = reduced_config(work, gpus_per_node=1)
+    date_configs_before_results(work)
+    target = str(RunPaths.of("results").arm(ARM).arm_result)
+    args = slurm_args(
+        config, "--retries", "2", "--rerun-triggers", "mtime", "--forcerun", "preflight", target
+    )
+    command, env = snakemake_command(work, *args, timeout=RUN_TIMEOUT_S)
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        command, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        job = wait_until_training(work, proc)
+        subprocess.run(["scancel", "--signal=TERM", job["JobId"]], check=True, timeout=30)
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S + 60)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+    result = subprocess.CompletedProcess(command, proc.returncode, out, "")
+    run = SlurmRun(work, result, jobs_of(work), time.monotonic() - started)
+    print(f"two-node run: {run.seconds:.0f} s, {len(run.jobs)} jobs", file=sys.stderr)
+    assert result.returncode == 0, run.output()
+    return run
+
+
+def test_the_two_node_jobs_span_both_nodes_with_one_task_each(two_node_run):
+    paths = RunPaths.of("results").arm(ARM)
+    probe = two_node_run.receipt(paths.probe)
+    node_mb = probe["projection"]["node_mb"]
+    assert probe["projection"]["nodes"] == 2
+    for rule in ("probe", "dpo"):
+        for job in two_node_run.of_rule(rule):
+            assert job["NumNodes"] == "2" and job["NumTasks"] == "2", job
+            assert int(job["CPUs/Task"]) == threads(), job
+            assert job["Partition"] == "cpu", job
+    (probe_job,) = two_node_run.of_rule("probe")
+    preflight = two_node_run.receipt(paths.preflight)["figures"]
+    assert memory_mb(probe_job["MinMemoryNode"]) == rss_request(preflight["node_mb"], 1)
+    first_dpo = two_node_run.of_rule("dpo")[0]
+    measured = probe["figures"]["peak_rss_mb"] / 2
+    assert memory_mb(first_dpo["MinMemoryNode"]) == rss_request(max(node_mb, measured), 1)
+
+
+def test_the_ranks_ran_on_two_nodes_and_the_receipts_say_where(two_node_run):
+    paths = RunPaths.of("results").arm(ARM)
+    for receipt in (paths.probe, paths.arm_result):
+        devices = two_node_run.receipt(receipt)["figures"]["devices"]
+        hosts = [device.split(":")[0] for device in devices]
+        assert len(devices) == 2 and len(set(hosts)) == 2, devices
+
+
+def test_scancel_sigterm_to_a_two_node_job_saves_exits_75_and_the_retry_resumes(two_node_run):
+    first, second = two_node_run.of_rule("dpo")
+    assert first["JobState"] == "FAILED", first
+    assert second["JobState"] == "COMPLETED", second
+    training = two_node_run.receipt(RunPaths.of("results").arm(ARM).arm_result)["figures"][
+        "training"
+    ]
+    assert training["resumed_after"]["reason"] == "signal SIGTERM", training
+    assert training["steps"] == training["horizon_steps"], training
+
+
+def test_the_two_node_result_equals_the_one_node_result(slurm_run, two_node_run):
+    """Both runs were stopped and resumed (by the time limit, by scancel); the weights
+    are the same bytes, so neither the layout nor the stops changed the training."""
+    path = RunPaths.of("results").arm(ARM).arm_result
+    one, two = slurm_run.receipt(path), two_node_run.receipt(path)
+    assert one["outputs"] == two["outputs"], (one["outputs"], two["outputs"])
+    assert one["figures"]["held_out"] == two["figures"]["held_out"]
 
 
 def test_a_cuda_job_holds_every_gpu_in_one_task_on_the_gpu_partition(slurm_run, tmp_path):
@@ -310,15 +511,18 @@ def test_a_cuda_job_holds_every_gpu_in_one_task_on_the_gpu_partition(slurm_run, 
     # The tiny default the first run wrote, at the relative paths the configs name.
     (work / "resources").symlink_to(slurm_run.workdir / "resources")
     config = reduced_config(work, sft_device="cuda")
+    # One retry, the least a training stage on a scheduler is allowed.
     result = snakemake_on_slurm(
-        work, config, "--retries", "0", str(RunPaths.of("results").sft_receipt)
+        work, config, "--retries", "1", str(RunPaths.of("results").sft_receipt)
     )
     assert result.returncode != 0, "a CUDA stage cannot succeed on this node"
-    (job,) = jobs_of(work)
-    assert job["Comment"] == "rule_sft", job
-    assert job["Partition"] == "gpu", job
-    assert gpus(job) == 2, job
-    assert job["NumTasks"] == "1" and job["NumNodes"] == "1", job
-    assert "NtasksPerTRES" not in job or job["NtasksPerTRES"] in ("0", ""), job
+    jobs = jobs_of(work)
+    assert len(jobs) == 2, jobs
+    for job in jobs:
+        assert job["Comment"] == "rule_sft", job
+        assert job["Partition"] == "gpu", job
+        assert gpus(job) == 2, job
+        assert job["NumTasks"] == "1" and job["NumNodes"] == "1", job
+        assert "NtasksPerTRES" not in job or job["NtasksPerTRES"] in ("0", ""), job
     log = (work / RunPaths.of("results").log("sft")).read_text()
     assert "CUDA is not available" in log, log[-3000:]

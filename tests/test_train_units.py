@@ -8,6 +8,8 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import norm
@@ -18,19 +20,20 @@ from align.data.loader import PairShard
 from align.data.sampler import StepSampler, epoch_order, steps_per_epoch
 from align.data.shards import PAIR_FORMAT, pair_arrays, write_shard
 from align.data.tokenize import TokenizedPair
+from align.eval.logprobs import sequence_logps
 from align.eval.preference import implicit_reward_preference, policy_preference
 from align.eval.stats import accuracy_summary, wilson_interval
 from align.exit_codes import USAGE, ConfigError
 from align.losses.dpo import DPOObjective, dpo_losses
 from align.model.mistral import NmoMistralForCausalLM
 from align.train.adapters import DpoAdapter
-from align.train.logprobs import sequence_logps
 from align.train.optim import (
     assert_horizon_consistent,
     build_optimizer,
     lr_factor,
     training_horizon,
 )
+from align.train.trainer import reduce_step_sums
 
 # These tensors are tiny: thread hand-offs would cost far more than the arithmetic.
 torch.set_num_threads(1)
@@ -286,6 +289,68 @@ def test_dpo_adapter_against_its_own_reference_gives_log2(tiny_model, shard):
     assert sums["rewards/chosen"] == pytest.approx(0.0, abs=1e-5)
     assert sums["rewards/rejected"] == pytest.approx(0.0, abs=1e-5)
     assert sums["pairs"] == 2
+
+
+# --- the training metrics a step logs -----------------------------------------------------
+
+METRICS_OBJECTIVE = DPOObjective(beta=0.2, rpo_alpha=0.3)
+# The reference sits apart from the policy, so rewards are neither zero nor all one sign.
+REFERENCE_OFFSETS = ((0.7, -0.4), (-1.1, 0.9), (0.3, 0.2))
+# Micro-batches per rank: rank 0 holds two pairs, rank 1 one, so a mean of rank means is wrong.
+RANK_ROWS = (([0], [1]), ([2],))
+
+
+def hand_metrics(model) -> dict[str, float]:
+    """What a step over all three pairs must log, from the DPO formulas and hand log-probs."""
+    rows = []
+    for pair, (off_c, off_r) in zip(PAIRS, REFERENCE_OFFSETS, strict=True):
+        chosen, rejected = (hand_logp(model, pair.prompt, r) for r in (pair.chosen, pair.rejected))
+        reward_c = METRICS_OBJECTIVE.beta * off_c
+        reward_r = METRICS_OBJECTIVE.beta * off_r
+        nll = -chosen / len(pair.chosen)
+        loss = math.log1p(math.exp(-(reward_c - reward_r))) + METRICS_OBJECTIVE.rpo_alpha * nll
+        rows.append((loss, reward_c, reward_r, float(reward_c > reward_r), chosen, rejected, nll))
+    names = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies")
+    names += ("logps/chosen", "logps/rejected", "nll/chosen")
+    means = {name: sum(row[i] for row in rows) / len(rows) for i, name in enumerate(names)}
+    means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
+    return means
+
+
+def metrics_adapter(model, shard) -> DpoAdapter:
+    logps = sequence_logps(model, shard.collate(np.arange(len(shard)))).double()
+    offsets = torch.tensor(REFERENCE_OFFSETS, dtype=torch.float64)
+    return DpoAdapter(METRICS_OBJECTIVE, logps[:3] - offsets[:, 0], logps[3:] - offsets[:, 1])
+
+
+def step_metrics_worker(rank: int, init_file: str, model_path: str, shard_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model, shard = torch.load(model_path, weights_only=False), PairShard(shard_path)
+        with torch.no_grad():
+            adapter = metrics_adapter(model, shard)
+            batches = [shard.collate(np.array(rows)) for rows in RANK_ROWS[rank]]
+            sums = [adapter.loss(model, batch, denominator=3.0)[1] for batch in batches]
+        tokens = sum(int(batch.attention_mask.sum()) for batch in batches)
+        torch.save(reduce_step_sums(adapter, sums, tokens), f"{model_path}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_step_logs_the_dpo_metrics_over_every_pair_on_every_rank(tiny_model, shard, tmp_path):
+    model_path = tmp_path / "model.pt"
+    torch.save(tiny_model, model_path)
+    args = (str(tmp_path / "init"), str(model_path), str(shard.path))
+    mp.spawn(step_metrics_worker, args=args, nprocs=2, join=True)
+    expected = hand_metrics(tiny_model)
+    attended = int(shard.collate(np.arange(len(shard))).attention_mask.sum())
+    for rank in range(2):
+        metrics, tokens = torch.load(f"{model_path}.rank{rank}")
+        assert metrics.keys() == expected.keys()
+        for name, value in expected.items():
+            assert metrics[name] == pytest.approx(value, rel=1e-4, abs=1e-5), name
+        assert tokens == attended
 
 
 # --- held-out statistics -----------------------------------------------------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +72,33 @@ def train(workdir: Path, world: int, tag: str, *extra: str) -> subprocess.Comple
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def train_two_nodes(workdir: Path, tag: str, *extra: str) -> list[subprocess.CompletedProcess]:
+    """Two launchers of one rank each, as two nodes joined by a c10d rendezvous on localhost."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = [str(DRIVER), str(workdir), f"--tag={tag}", *topology(2), *COMMON, *extra]
+    marker = workdir / f"run-{tag}" / "stopped.json"
+    launch = [sys.executable, "-m", "align.launch", "--nproc=1", "--nnodes=2"]
+    launch += [f"--rdzv-endpoint={endpoint}", f"--rdzv-id={tag}", f"--stop-marker={marker}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(
+            [*launch, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(2)
+    ]
+    done = []
+    for node in nodes:
+        out, err = node.communicate(timeout=600)
+        done.append(subprocess.CompletedProcess(node.args, node.returncode, out, err))
+    return done
+
+
 def weights(workdir: Path, tag: str) -> dict[str, np.ndarray]:
     return load_file(str(workdir / f"out-{tag}" / "model.safetensors"))
 
@@ -104,7 +133,8 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(workdir, uninterru
         np.testing.assert_allclose(w1[name], w2[name], rtol=0, atol=2e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+# One rank resumes bitwise in the bf16 test below; two ranks also agree on the stop.
+@pytest.mark.parametrize("world", [2])
 def test_sigterm_then_resume_ends_bitwise_equal_to_uninterrupted(workdir, uninterrupted, world):
     tag = f"term{world}"
     stopped = train(workdir, world, tag, "--signal-at-step=3")
@@ -119,7 +149,90 @@ def test_sigterm_then_resume_ends_bitwise_equal_to_uninterrupted(workdir, uninte
     ]
 
 
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_the_launcher_stops_every_rank_at_a_step_boundary_and_resumes_bitwise(
+    workdir, uninterrupted, signal_name
+):
+    """As Slurm signals a job step: the launcher forwards it, torchrun does not shut down."""
+    tag = f"launcher-{signal_name}"
+    signal_args = ("--signal-at-step=2", "--signal-target=launcher", f"--signal-name={signal_name}")
+    stopped = train(workdir, 2, tag, *signal_args)
+    assert stopped.returncode == RESUMABLE_STOP, stopped.stderr[-3000:]
+    assert re.search(r"stopped at step \d/6 \(signal " + signal_name, stopped.stderr)
+    ok(train(workdir, 2, tag, "--trainer.resume=true"))
+    full, resumed = weights(workdir, uninterrupted[2]), weights(workdir, tag)
+    for name in full:
+        assert full[name].tobytes() == resumed[name].tobytes(), name
+
+
+def test_two_nodes_of_one_rank_equal_one_node_of_two_ranks(workdir, uninterrupted):
+    runs = train_two_nodes(workdir, "nodes")
+    for run in runs:
+        ok(run)
+    assert [m["loss"] for m in metrics(workdir, "nodes")] == [
+        m["loss"] for m in metrics(workdir, uninterrupted[2])
+    ]
+    one_node, two_nodes = weights(workdir, uninterrupted[2]), weights(workdir, "nodes")
+    for name in one_node:
+        assert one_node[name].tobytes() == two_nodes[name].tobytes(), name
+
+
+def test_sigterm_to_one_node_stops_both_and_the_resume_is_bitwise_equal(workdir, uninterrupted):
+    signal_args = ("--signal-at-step=2", "--signal-target=launcher", "--signal-rank=1")
+    stopped = train_two_nodes(workdir, "nodes-term", *signal_args)
+    assert [run.returncode for run in stopped] == [RESUMABLE_STOP, RESUMABLE_STOP], [
+        run.stderr[-2000:] for run in stopped
+    ]
+    resumed = train_two_nodes(workdir, "nodes-term", "--trainer.resume=true")
+    for run in resumed:
+        ok(run)
+    full, after = weights(workdir, uninterrupted[2]), weights(workdir, "nodes-term")
+    for name in full:
+        assert full[name].tobytes() == after[name].tobytes(), name
+
+
+BF16 = ("--model.dtype=bfloat16",)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_bf16(workdir) -> dict[int, str]:
+    for world in (1, 2):
+        ok(train(workdir, world, f"bf16full{world}", *BF16))
+    return {1: "bf16full1", 2: "bf16full2"}
+
+
 @pytest.mark.parametrize("world", [1, 2])
+def test_bf16_compute_trains_float32_masters_on_every_rank_count(
+    workdir, uninterrupted_bf16, world
+):
+    tag = uninterrupted_bf16[world]
+    precision = json.loads((workdir / f"run-{tag}" / "precision.json").read_text())
+    assert (precision["compute"], precision["master"], precision["reduce"]) == (
+        "bfloat16",
+        "float32",
+        "float32",
+    )
+    assert precision["read_back"]["linear_outputs"] == ["bfloat16"]
+    config = json.loads((workdir / f"out-{tag}" / "config.json").read_text())
+    assert config["dtype"] == "float32"
+    exported = weights(workdir, tag)
+    # float32 updates leave weights between bf16 values: a bf16 master could not hold them.
+    off_grid = sum(int((w.view(np.uint32) & 0xFFFF).astype(bool).sum()) for w in exported.values())
+    assert off_grid > 0.5 * sum(w.size for w in exported.values())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bf16_compute_sigterm_then_resume_ends_bitwise_equal(workdir, uninterrupted_bf16, world):
+    tag = f"bf16term{world}"
+    stopped = train(workdir, world, tag, *BF16, "--signal-at-step=3")
+    assert stopped.returncode == RESUMABLE_STOP, stopped.stderr[-3000:]
+    ok(train(workdir, world, tag, *BF16, "--trainer.resume=true"))
+    full, resumed = weights(workdir, uninterrupted_bf16[world]), weights(workdir, tag)
+    for name in full:
+        assert full[name].tobytes() == resumed[name].tobytes(), name
+
+
+@pytest.mark.parametrize("world", [2])
 def test_sigkill_while_checkpointing_resumes_from_the_last_valid_one(workdir, uninterrupted, world):
     tag = f"kill{world}"
     killed = train(workdir, world, tag, "--trainer.checkpoint_every=1", "--kill-in-checkpoint-at=4")

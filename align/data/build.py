@@ -138,7 +138,7 @@ def write_split(build: ArmBuild, split: str, pad_id: int, paths: ArmPaths) -> di
         truncation=data.truncation,
     )
     entry = {
-        "path": str(shard),
+        "path": RunPaths.of(paths.results).recorded(shard),
         "hash": hash_file(shard),
         "tokens_hash": tokens_hash,
         "counts": _split_tally(build.counts, split).as_dict(),
@@ -151,10 +151,11 @@ def write_split(build: ArmBuild, split: str, pad_id: int, paths: ArmPaths) -> di
 def write_arm(build: ArmBuild, tokenizer, paths: ArmPaths) -> dict[str, Any]:
     """Write both splits of a prepared arm; the result is the arm's manifest entry."""
     data, counts = build.cfg.data, build.counts
+    recorded = RunPaths.of(paths.results).recorded
     shards = {split: write_split(build, split, tokenizer.pad_id, paths) for split in SPLITS}
     kept = sum(shards[s]["pairs"] for s in SPLITS)
     by_source = {
-        str(f): (counts.by_source.get(str(f)) or Tally(counts.reasons)) for f in build.files
+        recorded(f): (counts.by_source.get(str(f)) or Tally(counts.reasons)) for f in build.files
     }
     entry: dict[str, Any] = {
         "format": data.format,
@@ -163,7 +164,7 @@ def write_arm(build: ArmBuild, tokenizer, paths: ArmPaths) -> dict[str, Any]:
         "max_prompt_tokens": data.max_prompt_tokens,
         "prompt_rendering": build.prompt_rendering,
         "data_config": pinned_data_config(data),
-        "sources": {str(f): hash_file(f) for f in build.files},
+        "sources": {recorded(f): hash_file(f) for f in build.files},
         "counts": {**counts.as_dict(), **{s: shards[s]["pairs"] for s in SPLITS}},
         "counts_by_source": {name: tally.as_dict() for name, tally in by_source.items()},
         "truncated_pairs": {s: shards[s]["truncated_pairs"] for s in SPLITS},

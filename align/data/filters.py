@@ -56,7 +56,7 @@ def rejection_reason(record: PreferenceRecord, cfg: FilterConfig) -> str | None:
         return "status_excluded"
     if cfg.min_chosen_score is not None:
         score = _meta(record, "chosen_score", "min_chosen_score")
-        # A null or NaN score is no evidence the pair clears the bar.
+        # A null score is no evidence the pair clears the bar (the readers refuse a NaN).
         if score is None or not score >= cfg.min_chosen_score:
             return "chosen_score_below_min"
     if cfg.exclude_in_gsm8k_train and _meta(record, "in_gsm8k_train", "exclude_in_gsm8k_train"):
@@ -113,13 +113,6 @@ class Tally:
         else:
             self.removed[_known(reason)] += 1
 
-    def move(self, reason: str) -> None:
-        """A kept row removed by a later filter."""
-        if self.kept < 1:
-            raise AssertionError(f"no kept row left to remove as {reason!r}")
-        self.kept -= 1
-        self.removed[_known(reason)] += 1
-
     def as_dict(self) -> dict:
         return {
             "read": self.read,
@@ -159,11 +152,6 @@ class FilterCounts(Tally):
         for tally in self._groups(source, split):
             tally.add(reason)
 
-    def move(self, reason: str, source: str | None = None, split: str | None = None) -> None:
-        super().move(reason)
-        for tally in self._groups(source, split):
-            tally.move(reason)
-
     def check_reconciles(self, label: str = "filter counts") -> None:
         super().check_reconciles(label)
         for kind, groups in (("source", self.by_source), ("split", self.by_split)):
@@ -171,18 +159,3 @@ class FilterCounts(Tally):
                 tally.check_reconciles(f"{label} of {kind} {name}")
             if groups and sum(t.read for t in groups.values()) != self.read:
                 raise AssertionError(f"{label}: rows read per {kind} do not sum to {self.read}")
-
-
-def apply_filters(
-    records: Iterable[PreferenceRecord], cfg: FilterConfig, counts: FilterCounts
-) -> Iterator[PreferenceRecord]:
-    """Yield kept records; count every removal, exact duplicate pairs included."""
-    for record, reason in classify(records, cfg):
-        counts.add(reason)
-        if reason is None:
-            yield record
-
-
-def remove(counts: FilterCounts, reason: str) -> None:
-    """Move one kept row to `reason` (for filters that need tokens, applied after this pass)."""
-    counts.move(reason)

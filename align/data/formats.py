@@ -11,13 +11,15 @@ Formats (named by the pre-registration's `data.format`, never guessed):
 
 Files are JSONL or Parquet, local paths or globs. Any malformed row ends the build
 with exit 4 and a message naming the file, the row (line number for JSONL), what
-was expected and what was found.
+was expected and what was found. A NaN or infinite number (JSON's NaN / Infinity
+literals, or a Parquet float) is malformed too: no filter may read it as a value.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +89,10 @@ class RawRow:
             raise BadInputData(
                 f"{self.where()}: column {column!r} expected {_kind_name(kind)}, "
                 f"found {type(value).__name__} {value!r:.60}"
+            )
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadInputData(
+                f"{self.where()}: column {column!r} expected a finite number, found {value!r}"
             )
         return value
 

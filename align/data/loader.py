@@ -11,6 +11,7 @@ entry points for reading a pair shard outside the trainer.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,15 @@ class TokenBatch:
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    def to(self, device: torch.device) -> TokenBatch:
+        """The same batch with its tensors on `device` (itself when they are there already)."""
+        moved = {
+            f.name: value.to(device, non_blocking=True)
+            for f in dataclasses.fields(self)
+            if isinstance(value := getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **moved)
 
 
 def _batch(

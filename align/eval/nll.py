@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from align.eval.logprobs import sequence_logps_and_counts
 from align.eval.preference import rank_blocks
-from align.train.logprobs import sequence_logps_and_counts
 from align.utils.dist import DistInfo, all_reduce_sum
 
 

@@ -22,7 +22,7 @@ from scipy.stats import binomtest
 from align.config import ModelConfig, PairedEvalConfig
 from align.data.loader import PairShard
 from align.eval.generation import greedy_generate_batch
-from align.eval.preference import score_pairs
+from align.eval.preference import implicit_reward_correct, preference_correct, score_pairs
 from align.eval.selection import SFT
 from align.eval.stats import accuracy_summary
 from align.train.session import load_policy
@@ -71,18 +71,6 @@ def union_pairs(
         "pairs": len(union["pair_id"]),
         "duplicates_removed": total - len(union["pair_id"]),
     }
-
-
-def preference_correct(chosen: np.ndarray, rejected: np.ndarray) -> np.ndarray:
-    """The policy as its own judge; a tie counts as wrong."""
-    return np.asarray(chosen) > np.asarray(rejected)
-
-
-def implicit_reward_correct(
-    chosen: np.ndarray, rejected: np.ndarray, sft_chosen: np.ndarray, sft_rejected: np.ndarray
-) -> np.ndarray:
-    """DPO's implicit reward against the SFT reference; a tie counts as wrong."""
-    return (np.asarray(chosen) - sft_chosen) - (np.asarray(rejected) - sft_rejected) > 0
 
 
 def mcnemar_exact(a_correct: np.ndarray, b_correct: np.ndarray) -> dict[str, Any]:
@@ -159,6 +147,8 @@ class PolicyScores:
     rejected: np.ndarray
     generated_tokens: list[int]
     terminated: list[bool]
+    # The dtypes read back from the live model that scored (align.train.precision).
+    precision: dict[str, Any]
 
     def generation_summary(self, max_new_tokens: int) -> dict[str, Any]:
         return {
@@ -195,6 +185,7 @@ def policy_figures(
             "mean_chosen_logp_change": float(np.mean(s.chosen - sft.chosen)),
             "mean_rejected_logp_change": float(np.mean(s.rejected - sft.rejected)),
             "generation": s.generation_summary(max_new_tokens),
+            "precision": s.precision,
         }
     return {"policies": policies, "comparisons": all_comparisons(correct, cfg)}
 
@@ -223,6 +214,7 @@ def score_policy(
     generations = greedy_generate_batch(
         model, prompts, max_new_tokens, pins["eos_id"], pins["pad_id"], info.device
     )
+    precision = model.precision
     del model
     gc.collect()
     return PolicyScores(
@@ -230,4 +222,5 @@ def score_policy(
         rejected=rejected.astype(np.float64),
         generated_tokens=[len(new) for new, _ in generations],
         terminated=[done for _, done in generations],
+        precision=precision,
     )

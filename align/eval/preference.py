@@ -13,8 +13,8 @@ import torch
 from tqdm import tqdm
 
 from align.data.loader import PairShard
+from align.eval.logprobs import sequence_logps
 from align.eval.stats import accuracy_summary
-from align.train.logprobs import sequence_logps
 from align.utils.dist import DistInfo, all_reduce_sum
 
 
@@ -80,13 +80,27 @@ def score_pairs(
     return out[:n].astype(np.float32), out[n:].astype(np.float32)
 
 
+def preference_correct(chosen: np.ndarray, rejected: np.ndarray) -> np.ndarray:
+    """The policy as its own judge; a tie counts as wrong."""
+    return np.asarray(chosen) > np.asarray(rejected)
+
+
+def implicit_reward_correct(
+    chosen: np.ndarray, rejected: np.ndarray, ref_chosen: np.ndarray, ref_rejected: np.ndarray
+) -> np.ndarray:
+    """DPO's implicit reward against a reference policy; a tie counts as wrong."""
+    return (np.asarray(chosen) - ref_chosen) - (np.asarray(rejected) - ref_rejected) > 0
+
+
 def policy_preference(chosen: np.ndarray, rejected: np.ndarray) -> dict[str, float]:
     """The policy as judge: it prefers chosen when log p(chosen) > log p(rejected)."""
-    return accuracy_summary((chosen > rejected).tolist())
+    return accuracy_summary(preference_correct(chosen, rejected).tolist())
 
 
 def implicit_reward_preference(
     chosen: np.ndarray, rejected: np.ndarray, ref_chosen: np.ndarray, ref_rejected: np.ndarray
 ) -> dict[str, float]:
     """DPO's implicit reward: correct when (pi_c - ref_c) > (pi_r - ref_r)."""
-    return accuracy_summary(((chosen - ref_chosen) > (rejected - ref_rejected)).tolist())
+    return accuracy_summary(
+        implicit_reward_correct(chosen, rejected, ref_chosen, ref_rejected).tolist()
+    )

@@ -87,31 +87,24 @@ def check_selection_config(cfg: SelectionConfig, arms: Sequence[str], where: str
             raise ConfigError(f"{where}: key {key!r} expected {expected}, found {value!r}")
 
 
-def sft_weights_gate(gate: Mapping[str, Any]) -> str:
-    """The SFT checkpoint still has the weights the gate passed; returns their hash."""
-    found = weights_hash(gate["checkpoint"])
-    if found != gate["checkpoint_hash"]:
-        raise GateRefused(
-            "sft_gate",
-            f"{gate['checkpoint']}: weights hash expected {gate['checkpoint_hash'][:12]}, "
-            f"found {found[:12]}",
-        )
-    return found
-
-
 def manifest_gate(paths: RunPaths, arms: Sequence[str]) -> dict[str, Any]:
-    """The manifest lists every arm and its held-out shards are intact."""
+    """The manifest lists every arm and its held-out shards are intact; returned with their paths resolved."""
     manifest = load_receipt(paths.manifest, "manifest", stage="build_manifest")
+    entries = dict(manifest.get("arms", {}))
     for arm in arms:
-        if arm not in manifest.get("arms", {}):
+        if arm not in entries:
             raise GateRefused("manifest", f"{paths.manifest}: arm {arm!r} absent")
-        held = manifest["arms"][arm]["shards"]["held"]
-        verify_hash("manifest", held["path"], held["hash"])
-    return manifest
+        shards = entries[arm]["shards"]
+        held = paths.resolve(shards["held"]["path"], "manifest", paths.manifest)
+        verify_hash("manifest", held, shards["held"]["hash"])
+        shards = {**shards, "held": {**shards["held"], "path": str(held)}}
+        entries[arm] = {**entries[arm], "shards": shards}
+    return {**manifest, "arms": entries}
 
 
 def arm_result_gate(paths: RunPaths, arm: str, sft_checkpoint: str) -> dict[str, Any]:
-    """The arm's result; a policy it names was trained from this SFT checkpoint and is unchanged."""
+    """The arm's result, as recorded; a policy it names was trained from the SFT checkpoint
+    `sft_checkpoint` (resolved) and is unchanged."""
     path = paths.arm(arm).arm_result
     result = load_receipt(path, "arm_result", stage="dpo")
     if result.get("arm") != arm:
@@ -122,7 +115,8 @@ def arm_result_gate(paths: RunPaths, arm: str, sft_checkpoint: str) -> dict[str,
         if result.get("status") == PASSED and not result.get("descoped"):
             raise GateRefused("arm_result", f"{path}: a PASSED arm result names no policy")
         return result
-    if result.get("checkpoint") != sft_checkpoint:
+    trained_from = paths.resolve(str(result.get("checkpoint")), "arm_result", path)
+    if trained_from != Path(sft_checkpoint):
         raise GateRefused(
             "arm_result",
             f"{path}: trained from {result.get('checkpoint')!r}, expected the SFT gate's "
@@ -131,13 +125,13 @@ def arm_result_gate(paths: RunPaths, arm: str, sft_checkpoint: str) -> dict[str,
     recorded = result.get("outputs", {}).get(result["policy"])
     if recorded is None:
         raise GateRefused("arm_result", f"{path}: no weights hash recorded for {result['policy']}")
-    if not Path(result["policy"]).is_dir():
-        raise GateRefused("arm_result", f"{result['policy']}: policy missing ({path} names it)")
-    found = weights_hash(result["policy"])
+    policy = paths.resolve(result["policy"], "arm_result", path)
+    if not policy.is_dir():
+        raise GateRefused("arm_result", f"{policy}: policy missing ({path} names it)")
+    found = weights_hash(policy)
     if found != recorded:
         raise GateRefused(
-            "arm_result",
-            f"{result['policy']}: weights hash expected {recorded[:12]}, found {found[:12]}",
+            "arm_result", f"{policy}: weights hash expected {recorded[:12]}, found {found[:12]}"
         )
     return result
 

@@ -10,8 +10,13 @@ by everything the result depends on (kernel source, triton, torch, device) and
 sealed by a hash of its contents; `verify_receipt` refuses a missing, tampered,
 stale or failed one, and the attention selector asks it before "triton_fa2" may run.
 
-CLI: python -m align.kernels.equivalence [--out PATH] [--device cuda:N]
-(exit 0 passed, 3 failed; the receipt is written either way).
+On the CPU under Triton's interpreter (TRITON_INTERPRET=1) the same gate runs the small
+`INTERPRETER_GRID`; its receipt's key names the interpreter, so it proves nothing for a GPU.
+
+CLI: python -m align.kernels.equivalence [--out PATH] [--device cuda:N | cpu]
+(exit 0 passed, 3 failed; the receipt is written either way). A stage reads the receipt
+at $ALIGN_KERNEL_RECEIPT (the workflow's results/kernels/triton_fa2.json) when that is
+set, else the per-device receipt under $ALIGN_KERNEL_RECEIPTS.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from align.receipts import hash_file, hash_json, now_iso, read_json, write_json_
 BACKEND = "triton_fa2"
 KERNEL_SOURCE = Path(__file__).with_name("flash_attn.py")
 RECEIPTS_ENV = "ALIGN_KERNEL_RECEIPTS"
+RECEIPT_ENV = "ALIGN_KERNEL_RECEIPT"
+INTERPRETER = "interpreter"
 DEFAULT_RECEIPTS_DIR = Path("~/.cache/align/kernels")
 RECEIPT_SCHEMA = 1
 GATE_COMMAND = "python -m align.kernels.equivalence"
@@ -84,6 +91,13 @@ EQUIVALENCE_GRID: tuple[GateShape, ...] = (
     GateShape(1, 32, 8, 4097, 128, "bfloat16", (4001,)),
 )
 
+# Under the interpreter every program runs in Python (numpy): small shapes that still end
+# mid-block and pad a row down to one token, in float16 alone, as numpy has no bfloat16.
+INTERPRETER_GRID: tuple[GateShape, ...] = (
+    GateShape(1, 2, 1, 40, 64, "float16", (40,)),
+    GateShape(2, 2, 2, 33, 64, "float16", (33, 1)),
+)
+
 # About 4 unit roundoffs of the input dtype for the output (bf16 2^-8, fp16 2^-11) and 8
 # for the gradients, whose 16-bit probability tiles are rounded twice; fp16 runs of this
 # kernel under the interpreter measure about 1 roundoff, as does SDPA in fp16.
@@ -91,8 +105,6 @@ THRESHOLDS: dict[str, dict[str, float]] = {
     "bfloat16": {"out": 1.5e-2, "dq": 3e-2, "dk": 3e-2, "dv": 3e-2},
     "float16": {"out": 2e-3, "dq": 4e-3, "dk": 4e-3, "dv": 4e-3},
 }
-GATED_DTYPES = frozenset(getattr(torch, shape.dtype) for shape in EQUIVALENCE_GRID)
-GATED_HEAD_DIMS = frozenset(shape.head_dim for shape in EQUIVALENCE_GRID)
 
 
 def kernel_key(
@@ -110,9 +122,31 @@ def kernel_key(
     }
 
 
+def interpreted() -> bool:
+    """Whether Triton runs its kernels on the CPU, in its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def grid_for(key: dict[str, str]) -> tuple[GateShape, ...]:
+    """The shapes a receipt under `key` must have measured."""
+    return INTERPRETER_GRID if key["cuda_capability"] == INTERPRETER else EQUIVALENCE_GRID
+
+
+def proven_here() -> tuple[frozenset[torch.dtype], frozenset[int]]:
+    """The dtypes and head dims the gate proves where kernels run in this process."""
+    grid = INTERPRETER_GRID if interpreted() else EQUIVALENCE_GRID
+    return (
+        frozenset(getattr(torch, shape.dtype) for shape in grid),
+        frozenset(shape.head_dim for shape in grid),
+    )
+
+
 def device_key(device: torch.device | str) -> dict[str, str]:
-    """The receipt key for the CUDA device `device` of this process."""
+    """The receipt key for `device` of this process: a CUDA device, or the CPU under the
+    interpreter."""
     device = torch.device(device)
+    if device.type == "cpu" and interpreted():
+        return kernel_key("cpu (triton interpreter)", INTERPRETER)
     if device.type != "cuda" or not torch.cuda.is_available():
         raise ValueError(
             f"the {BACKEND} kernel needs a CUDA device, got {device} "
@@ -252,10 +286,12 @@ def seal_receipt(key: dict[str, str], results: list[dict[str, Any]], seconds: fl
 def run_gate(
     device: torch.device | str,
     key: dict[str, str],
-    grid: Sequence[GateShape] = EQUIVALENCE_GRID,
+    grid: Sequence[GateShape] | None = None,
 ) -> dict[str, Any]:
-    """Measure every shape of `grid` on `device`; the sealed receipt (not yet written)."""
+    """Measure every shape of `grid` (the key's grid by default) on `device`; the sealed
+    receipt (not yet written)."""
     device = torch.device(device)
+    grid = grid_for(key) if grid is None else grid
     started = time.perf_counter()
     results = []
     for seed, shape in enumerate(grid):
@@ -307,7 +343,7 @@ def _check_current(receipt: dict, path: Path, key: dict[str, str], rerun: str) -
     for component, label in KEY_COMPONENTS.items():
         if recorded.get(component) != key[component]:
             stale.append((label, key[component], recorded.get(component)))
-    grid = [shape.as_dict() for shape in EQUIVALENCE_GRID]
+    grid = [shape.as_dict() for shape in grid_for(key)]
     if [result.get("shape") for result in receipt.get("results", [])] != grid:
         stale.append(("equivalence grid", f"{len(grid)} pre-registered shapes", "another grid"))
     if receipt.get("thresholds") != THRESHOLDS:
@@ -334,9 +370,10 @@ def _check_passed(receipt: dict, path: Path) -> None:
 
 
 def require_proven_kernel(device: torch.device | str) -> dict[str, Any]:
-    """The passed, current receipt for the kernel on CUDA `device`; ValueError otherwise."""
+    """The passed, current receipt for the kernel on `device`; ValueError otherwise."""
     key = device_key(device)
-    return verify_receipt(receipt_path(key), key)
+    given = os.environ.get(RECEIPT_ENV)
+    return verify_receipt(Path(given) if given else receipt_path(key), key)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from align.kernels.contract import check_gqa_shapes
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 LOG2_E = 1.4426950408889634
@@ -676,13 +678,7 @@ def flash_attention(
 
 
 def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(
-            f"expected q [B, Hq, T, D] and k/v [B, Hkv, T, D], got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads")
+    check_gqa_shapes(q, k, v)
     if q.shape[2] == 0 or q.shape[0] == 0:
         raise ValueError(f"flash_attention needs B >= 1 and T >= 1, got q {tuple(q.shape)}")
     if q.shape[0] * q.shape[1] > MAX_GRID_Y:

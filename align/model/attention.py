@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from align.kernels.equivalence import GATED_DTYPES, GATED_HEAD_DIMS, require_proven_kernel
+from align.kernels.contract import check_gqa_shapes
+from align.kernels.equivalence import interpreted, proven_here, require_proven_kernel
 
 AttentionFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
@@ -53,10 +54,14 @@ def triton_fa2_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None
 ) -> torch.Tensor:
     """The gated Triton FlashAttention-2 kernel; `key_lengths` [B] right-pads each row."""
-    if q.device.type != "cuda":
-        raise ValueError(f"attention backend 'triton_fa2' runs on CUDA tensors, got {q.device}")
-    if q.dtype not in GATED_DTYPES or q.shape[-1] not in GATED_HEAD_DIMS:
-        proven = f"dtypes {sorted(map(str, GATED_DTYPES))}, head dims {sorted(GATED_HEAD_DIMS)}"
+    if q.device.type != "cuda" and not interpreted():
+        raise ValueError(
+            f"attention backend 'triton_fa2' runs on CUDA tensors (or the CPU under "
+            f"TRITON_INTERPRET=1), got {q.device}"
+        )
+    dtypes, head_dims = proven_here()
+    if q.dtype not in dtypes or q.shape[-1] not in head_dims:
+        proven = f"dtypes {sorted(map(str, dtypes))}, head dims {sorted(head_dims)}"
         raise ValueError(
             f"attention backend 'triton_fa2' is proven only for {proven}; "
             f"got {q.dtype}, head dim {q.shape[-1]}"
@@ -86,11 +91,12 @@ def select_attn_implementation(name: str, device: torch.device | str) -> str:
     if name not in ATTENTION_BACKENDS:
         raise _unavailable(name)
     if name == "triton_fa2":
-        if device.type != "cuda":
+        if device.type != "cuda" and not (device.type == "cpu" and interpreted()):
             fallbacks = sorted(backend for backend in ATTENTION_BACKENDS if backend != name)
             raise ValueError(
-                f"attention backend {name!r} needs a CUDA device, got {device}; there is no "
-                f"fallback: choose one of {fallbacks} for this device"
+                f"attention backend {name!r} needs a CUDA device (or the CPU under "
+                f"TRITON_INTERPRET=1), got {device}; there is no fallback: choose one of "
+                f"{fallbacks} for this device"
             )
         require_proven_kernel(device)
     return name
@@ -100,13 +106,7 @@ def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str
 ) -> torch.Tensor:
     """Grouped-query causal attention with the backend `impl`; returns [B, Hq, T, D]."""
-    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(
-            f"expected q [B, Hq, T, D] and k/v [B, Hkv, T, D], got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} K/V heads")
+    check_gqa_shapes(q, k, v)
     if impl not in ATTENTION_BACKENDS:
         raise _unavailable(impl)
     return ATTENTION_BACKENDS[impl](q, k, v, mask)

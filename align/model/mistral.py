@@ -126,6 +126,11 @@ class NmoMistralForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes: its inputs must be here (the local device of a shard)."""
+        return self.embed.weight.device
+
     def num_parameters(self) -> int:
         """Number of distinct parameters (a tied matrix counts once)."""
         return sum(parameter.numel() for parameter in self.parameters())

@@ -1,4 +1,5 @@
-"""Locating a checkpoint's safetensors tensors, and the content hash of its weights.
+"""Locating a checkpoint's safetensors tensors, and the content hash of its weights
+(or of the tensors of any one safetensors file, such as a reference cache).
 
 Stdlib only: the safetensors header (8-byte little-endian length, then JSON with
 dtype, shape and data_offsets per tensor) is parsed here directly, so a gate can
@@ -104,7 +105,16 @@ def checkpoint_tensors(checkpoint_dir: str | Path) -> dict[str, TensorLocation]:
 
 def weights_hash(checkpoint_dir: str | Path) -> str:
     """sha256 hex digest of the checkpoint's tensors, independent of file names and sharding."""
-    tensors = checkpoint_tensors(checkpoint_dir)
+    return tensors_hash(checkpoint_tensors(checkpoint_dir))
+
+
+def file_tensors_hash(path: str | Path) -> str:
+    """The same hash over the tensors of one safetensors file (its metadata excluded)."""
+    return tensors_hash(read_safetensors_header(Path(path)))
+
+
+def tensors_hash(tensors: dict[str, TensorLocation]) -> str:
+    """sha256 over each tensor's name, dtype, shape and bytes, in name order."""
     digest = hashlib.sha256(HASH_VERSION)
     with ExitStack() as stack:
         handles: dict[Path, BinaryIO] = {}
@@ -112,11 +122,28 @@ def weights_hash(checkpoint_dir: str | Path) -> str:
             location = tensors[name]
             if location.path not in handles:
                 handles[location.path] = stack.enter_context(location.path.open("rb"))
-            description = json.dumps([name, location.dtype, list(location.shape)])
-            digest.update(description.encode("utf-8") + b"\n")
-            digest.update(struct.pack("<Q", location.end - location.begin))
+            _describe(
+                digest.update, name, location.dtype, location.shape, location.end - location.begin
+            )
             _feed_bytes(digest.update, handles[location.path], location.begin, location.end)
     return digest.hexdigest()
+
+
+def raw_tensors_hash(tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> str:
+    """`tensors_hash` of tensors held in memory: name -> (safetensors dtype, shape, little-endian bytes)."""
+    digest = hashlib.sha256(HASH_VERSION)
+    for name in sorted(tensors):
+        dtype, shape, data = tensors[name]
+        _describe(digest.update, name, dtype, shape, len(data))
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def _describe(
+    update: Callable[[bytes], None], name: str, dtype: str, shape: tuple[int, ...], nbytes: int
+) -> None:
+    update(json.dumps([name, dtype, list(shape)]).encode("utf-8") + b"\n")
+    update(struct.pack("<Q", nbytes))
 
 
 def _feed_bytes(update: Callable[[bytes], None], handle: BinaryIO, begin: int, end: int) -> None:

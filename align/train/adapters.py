@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from align.data.loader import TokenBatch
+from align.eval.logprobs import sequence_logps_and_counts
 from align.losses.dpo import DPOObjective, dpo_objective
-from align.train.logprobs import sequence_logps_and_counts
 from align.train.tripwires import PairStats
 
 
@@ -66,9 +66,9 @@ class DpoAdapter:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         logps, counts = sequence_logps_and_counts(model, batch)
         rows = torch.from_numpy(batch.rows)
-        result = dpo_objective(
-            logps, counts, self.ref_chosen[rows], self.ref_rejected[rows], self.objective
-        )
+        ref_chosen = self.ref_chosen[rows].to(logps.device)
+        ref_rejected = self.ref_rejected[rows].to(logps.device)
+        result = dpo_objective(logps, counts, ref_chosen, ref_rejected, self.objective)
         n = result.num_pairs
         sums = {
             "loss_sum": float(result.losses.detach().sum()),
@@ -85,13 +85,12 @@ class DpoAdapter:
         chosen_tokens = result.chosen_tokens.double()
         self.pair_stats.append(
             PairStats(
-                chosen_logratio_per_token=(
-                    (result.chosen_logps.detach().double() - self.ref_chosen[rows].double())
-                    / chosen_tokens
-                ).numpy(),
-                margins=result.margins.double().numpy(),
-                chosen_tokens=chosen_tokens.numpy(),
-                rejected_tokens=result.rejected_tokens.double().numpy(),
+                chosen_logratio_per_token=_numpy(
+                    (result.chosen_logps.detach().double() - ref_chosen.double()) / chosen_tokens
+                ),
+                margins=_numpy(result.margins.double()),
+                chosen_tokens=_numpy(chosen_tokens),
+                rejected_tokens=_numpy(result.rejected_tokens.double()),
             )
         )
         return result.losses.sum() / denominator, sums
@@ -111,3 +110,7 @@ class DpoAdapter:
         if self.objective.rpo_alpha > 0:
             out["nll/chosen"] = sums["nll_sum"] / pairs
         return out
+
+
+def _numpy(tensor: torch.Tensor):
+    return tensor.detach().cpu().numpy()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ from align.train.session import build_trainer, export_policy, load_policy, start
 from align.train.stage_gates import GateContext
 from align.train.trainer import peak_rss_bytes
 from align.train.tripwires import Alarm, Tripwires
-from align.utils.dist import DistInfo, all_reduce_sum, any_rank
+from align.utils.dist import DistInfo, all_gather_floats, all_reduce_sum, any_rank, barrier
 
 
 def _ref(path: Path, key: dict[str, str], shard: PairShard) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,30 +74,52 @@ def _setup(cfg: ArmConfig, ctx: GateContext, run_dir: Path, trainer_cfg):
     return info, shards, refs, model, trainer
 
 
-def _peaks(info: DistInfo) -> tuple[float, float]:
-    """Job-wide peak host RSS (sum over ranks) and the largest rank's device peak, in MiB."""
-    device = torch.cuda.max_memory_allocated() / 2**20 if info.device.type == "cuda" else 0.0
-    rss, dev = all_reduce_sum([peak_rss_bytes() / 2**20, device])
-    return rss, dev / info.world_size if info.world_size else dev
+def local_device_peak_mb(info: DistInfo) -> float | None:
+    """This rank's device peak (torch.cuda.max_memory_allocated), None off CUDA."""
+    if info.device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(info.device) / 2**20
+
+
+def job_peaks(local_device_mb: float | None) -> tuple[float, list[float]]:
+    """Job-wide peak host RSS (the sum over ranks) and every rank's device peak, in MiB."""
+    (rss,) = all_reduce_sum([peak_rss_bytes() / 2**20])
+    return rss, ([] if local_device_mb is None else all_gather_floats(local_device_mb))
 
 
 def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]:
     probe_cfg = dataclasses.replace(
         cfg.trainer, max_micro_steps=cfg.trainer.probe_steps, resume=False, checkpoint_every=0
     )
-    info, _, _, _, trainer = _setup(cfg, ctx, ctx.arm.root / "probe_run", probe_cfg)
+    info, _, _, model, trainer = _setup(cfg, ctx, ctx.arm.root / "probe_run", probe_cfg)
     tokens_per_s: list[float] = []
     trainer.fit(on_step=lambda m: tokens_per_s.append(m["tokens_per_s"]))
-    rss, device = _peaks(info)
+    checkpoint_s = timed_save(trainer)
+    rss, device_peaks = job_peaks(local_device_peak_mb(info))
+    projected = ctx.projection.get("device", {}).get("allocated_mb")
     figures = probe_figures(
         trainer.state.step_times,
         tokens_per_s,
         trainer.state.micro_step,
         len(trainer.source),
         rss,
-        device,
+        device_peaks,
+        projected,
     )
-    return figures, info
+    placed = {"precision": model.precision, "devices": list(info.devices)}
+    return {**figures, "checkpoint_s": checkpoint_s, **placed}, info
+
+
+def timed_save(trainer) -> float:
+    """Seconds one real checkpoint of this model and optimizer takes to save; the probe's
+    checkpoint is removed after, as nothing resumes from it."""
+    started = time.perf_counter()
+    checkpoint = trainer.save()
+    seconds = time.perf_counter() - started
+    barrier()
+    if trainer.info.is_main:
+        shutil.rmtree(checkpoint.path)
+    return seconds
 
 
 def banner(cfg: ArmConfig, ctx: GateContext, model, info: DistInfo) -> str:
@@ -115,6 +139,11 @@ def banner(cfg: ArmConfig, ctx: GateContext, model, info: DistInfo) -> str:
             f"{ctx.projection['total_mb']:.0f} MiB for {ctx.projection['optimizer']}",
         ),
         ("attention", model.attn_implementation),
+        (
+            "precision",
+            f"compute {model.precision['compute']}, master {model.precision['master']}, "
+            f"reduce {model.precision['reduce']}, loss head {model.precision['loss']}",
+        ),
         ("world size", str(info.world_size)),
         (
             "projected wall",
@@ -295,6 +324,8 @@ def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]
     ref_c, ref_r = (t.numpy() for t in final["refs"]["held"])
     figures: dict[str, Any] = {
         "world_size": info.world_size,
+        "precision": model.precision,
+        "devices": list(info.devices),
         "banner": final["banner"] or first["banner"],
         "training": final["summary"],
         "final_config": run_record(final_cfg),

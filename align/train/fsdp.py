@@ -17,22 +17,25 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from align.model.checkpoint import DTYPES, hf_to_nmo, read_safetensors_state
+from align.model.checkpoint import hf_to_nmo, read_safetensors_state
 from align.model.hf_config import load_hf_config
 from align.model.mistral import NmoMistralForCausalLM
+from align.train.precision import (
+    TORCH_DTYPES,
+    Precision,
+    mixed_precision_policy,
+    verify_precision,
+)
 from align.utils.dist import DistInfo
 
-
-def mixed_precision(param_dtype: str, reduce_dtype: str = "float32") -> MixedPrecisionPolicy:
-    return MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
+NO_CASTS = MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: NmoMistralForCausalLM, policy: MixedPrecisionPolicy | None = None) -> None:
+def apply_fsdp(model: NmoMistralForCausalLM, policy: MixedPrecisionPolicy = NO_CASTS) -> None:
     """`fully_shard` each decoder layer, then the root (embedding, norm, lm_head)."""
-    kwargs = {"mp_policy": policy} if policy is not None else {}
     for layer in model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
 
 
 def apply_activation_checkpointing(model: NmoMistralForCausalLM) -> None:
@@ -44,21 +47,25 @@ def apply_activation_checkpointing(model: NmoMistralForCausalLM) -> None:
 def load_sharded(
     path: str | Path,
     info: DistInfo,
-    dtype: str,
+    precision: Precision,
     attn_implementation: str,
     activation_checkpointing: bool = False,
 ) -> NmoMistralForCausalLM:
-    """Meta-device init, FSDP2 sharding, then rank 0 reads the weights and broadcasts shards."""
-    config = dataclasses.replace(load_hf_config(path), torch_dtype=dtype)
+    """Meta-device init in the master dtype, FSDP2 sharding with the mixed-precision policy,
+    then rank 0 reads the weights and broadcasts shards; the live dtypes are read back and
+    checked (`model.precision` holds the record)."""
+    master = TORCH_DTYPES[precision.master]
+    config = dataclasses.replace(load_hf_config(path), torch_dtype=precision.master)
     with torch.device("meta"):
         model = NmoMistralForCausalLM(config, attn_implementation, attn_device=info.device)
+    model.to(master)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    apply_fsdp(model)
+    apply_fsdp(model, mixed_precision_policy(precision))
     model.to_empty(device=info.device)
     full = {}
     if info.is_main:
-        full = {k: v.to(DTYPES[dtype]) for k, v in hf_to_nmo(read_safetensors_state(path)).items()}
+        full = {k: v.to(master) for k, v in hf_to_nmo(read_safetensors_state(path)).items()}
         if config.tie_word_embeddings:
             full["lm_head.weight"] = full["embed.weight"]
     set_model_state_dict(
@@ -66,6 +73,7 @@ def load_sharded(
         full,
         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True),
     )
+    model.precision = verify_precision(model, precision, info.device)
     _log_resident(model, info)
     return model
 
@@ -79,7 +87,9 @@ def gather_full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _log_resident(model: torch.nn.Module, info: DistInfo) -> None:
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    p = model.precision
     print(
-        f"align: rank {info.rank} holds {local / 2**20:.1f} MiB of parameters after sharding",
+        f"align: rank {info.rank} holds {local / 2**20:.1f} MiB of {p['master']} master "
+        f"parameters after sharding; computes in {p['compute']}, reduces in {p['reduce']}",
         file=sys.stderr,
     )

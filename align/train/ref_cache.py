@@ -4,6 +4,9 @@ A cache file holds per-pair summed reference log-probs, looked up by pair id, an
 in its safetensors metadata the key it was built under: checkpoint weight bytes,
 tokenizer, shard content, seq_len + truncation, dtype and forward_impl. A reader
 recomputes the key it expects and refuses any difference, naming the component.
+The metadata also records the hash of the cache's own tensor bytes (and the
+ref_cache receipt records it again), so a flipped byte in the log-probs is refused
+by the gate and again by the loader, rather than trained against.
 
 While a cache is computed, each finished slice of rows is a part file in
 `<cache>.parts/` that carries the same key and the rows it covers, so a restarted
@@ -21,7 +24,7 @@ if TYPE_CHECKING:
 from align.data.metadata import read_metadata, single_key_metadata
 from align.exit_codes import GateRefused
 from align.model.tokenizer_hash import tokenizer_hash
-from align.model.weights_hash import weights_hash
+from align.model.weights_hash import file_tensors_hash, raw_tensors_hash, weights_hash
 from align.receipts import atomic_path, hash_file
 
 KEY_COMPONENTS = (
@@ -37,6 +40,9 @@ GATE = "ref_cache"
 CACHE_FORMAT = "align-ref-cache-v1"
 PART_FORMAT = "align-ref-cache-part-v1"
 PART_SUFFIX = ".safetensors"
+# The metadata field (and ref_cache receipt field) with the hash of the cache's tensors.
+TENSORS_HASH = "tensors_hash"
+_SAFETENSORS_DTYPES = {"int64": "I64", "float32": "F32"}
 
 
 LAYOUT_TAGS = {False: "padded", True: "shared"}  # batch.share_prompt -> its tag
@@ -117,18 +123,36 @@ def _save(path: str | Path, arrays: dict, metadata: dict[str, object]) -> None:
         save_file(arrays, str(tmp), metadata=single_key_metadata(metadata))
 
 
+def arrays_tensors_hash(arrays: dict[str, np.ndarray]) -> str:
+    """The hash `file_tensors_hash` gives the file these arrays are saved in."""
+    return raw_tensors_hash(
+        {
+            name: (
+                # Another dtype cannot be a cache's; its own name makes the hash differ.
+                _SAFETENSORS_DTYPES.get(a.dtype.name, a.dtype.str),
+                a.shape,
+                a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes(),
+            )
+            for name, a in arrays.items()
+        }
+    )
+
+
 def write_ref_cache(
     path: str | Path,
     pair_ids: np.ndarray,
     chosen: np.ndarray,
     rejected: np.ndarray,
     key: dict[str, str],
-) -> None:
+) -> str:
+    """Write the cache sorted by pair id, its key and tensor hash in the metadata; returns that hash."""
     import numpy as np
 
     order = np.argsort(pair_ids, kind="stable")
     arrays = _arrays(pair_ids[order], chosen[order], rejected[order])
-    _save(path, arrays, {"format": CACHE_FORMAT, "key": key})
+    content = arrays_tensors_hash(arrays)
+    _save(path, arrays, {"format": CACHE_FORMAT, "key": key, TENSORS_HASH: content})
+    return content
 
 
 def key_mismatch(found: dict[str, str], expected: dict[str, str]) -> str | None:
@@ -208,18 +232,47 @@ def check_key(path: str | Path, expected: dict[str, str], gate: str = GATE) -> N
         raise GateRefused(gate, f"{path}: {mismatch}")
 
 
+def check_tensors(path: str | Path, recorded: str, receipt: str | Path, gate: str = GATE) -> None:
+    """Refuse a cache whose tensor bytes, or its metadata, disagree with the hash `receipt` records.
+
+    The receipt is the reference: a file edited and re-hashed into its own metadata
+    still differs from it. Reads the file's bytes once; no numpy.
+    """
+    found = file_tensors_hash(path)
+    if found != recorded:
+        raise GateRefused(
+            gate,
+            f"{path}: tensor bytes hash expected {recorded[:12]} (recorded by {receipt}), "
+            f"found {found[:12]}",
+        )
+    in_metadata = str(read_metadata(path).get(TENSORS_HASH))
+    if in_metadata != recorded:
+        raise GateRefused(
+            gate,
+            f"{path}: metadata {TENSORS_HASH} expected {recorded[:12]} (recorded by "
+            f"{receipt}), found {in_metadata[:12]}",
+        )
+
+
 def load_ref_cache(
     path: str | Path, expected: dict[str, str], pair_ids: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Verify the key, then return (chosen, rejected) log-probs aligned to `pair_ids`."""
+    """Verify the key and the loaded bytes, then return (chosen, rejected) aligned to `pair_ids`."""
     import numpy as np
-    from safetensors import safe_open
+    from safetensors.numpy import load_file
 
     check_key(path, expected)
-    with safe_open(str(path), framework="numpy") as f:
-        cached_ids = f.get_tensor("pair_id")
-        chosen = f.get_tensor("chosen_logps")
-        rejected = f.get_tensor("rejected_logps")
+    arrays = load_file(str(path))
+    recorded = str(read_metadata(path).get(TENSORS_HASH))
+    found = arrays_tensors_hash(arrays)
+    if found != recorded:
+        raise GateRefused(
+            GATE,
+            f"{path}: tensor bytes hash expected {recorded[:12]} (its metadata), found {found[:12]}",
+        )
+    cached_ids, chosen, rejected = (
+        arrays[name] for name in ("pair_id", "chosen_logps", "rejected_logps")
+    )
     index = {int(pid): i for i, pid in enumerate(cached_ids)}
     missing = [int(p) for p in pair_ids if int(p) not in index]
     if missing:

@@ -28,6 +28,7 @@ from align.eval.preference import score_blocks, score_pairs
 from align.exit_codes import AlignError
 from align.train.ref_cache import (
     PART_SUFFIX,
+    forward_impl_name,
     key_mismatch,
     part_path,
     parts_dir,
@@ -210,6 +211,8 @@ def precompute_ref_cache(
         "seconds": elapsed,
         "tokens_per_s": computed_tokens / elapsed if computed_tokens else None,
         "key": key,
+        "precision": model.precision,
+        "devices": list(info.devices),
     }
 
 
@@ -222,7 +225,10 @@ def precompute_ref_caches(
 ) -> tuple[dict[str, Any], DistInfo]:
     """Build one cache per (shard, out, key) job with one loaded model; returns per-cache figures."""
     info = start_session(run_dir, run, None)
-    model = load_policy(checkpoint, ModelConfig(cfg.dtype, cfg.attn_implementation), info)
+    reference = ModelConfig(dtype=cfg.dtype, attn_implementation=cfg.attn_implementation)
+    model = load_policy(checkpoint, reference, info)
+    for _, out, key in jobs:
+        _check_key_names_live_path(key, model, cfg, out)
     figures = {
         out.stem: precompute_ref_cache(
             model, PairShard(shard_path, cfg.share_prompt), out, key, cfg, info
@@ -232,12 +238,25 @@ def precompute_ref_caches(
     return figures, info
 
 
+def _check_key_names_live_path(key: dict[str, str], model, cfg: RefConfig, out: Path) -> None:
+    """The key's dtype and forward_impl must name what the loaded model computes in."""
+    live = forward_impl_name(
+        model.attn_implementation, model.precision["compute"], cfg.batch_size, cfg.share_prompt
+    )
+    found = (key["dtype"], key["forward_impl"])
+    if found != (model.precision["compute"], live):
+        raise AlignError(
+            f"{out}: cache key names dtype {found[0]!r} and forward_impl {found[1]!r}, but the "
+            f"loaded reference computes in {model.precision['compute']!r} through {live!r}"
+        )
+
+
 def run_path_bias(
     cfg, checkpoint: str, shard_path: str, cache: Path, key: dict[str, str], run_dir: Path
 ):
     """Score the pre-registered sample through the training path; compare with the cache."""
     from align.train.path_bias import margin_errors, path_bias_figures, sample_rows
-    from align.train.ref_cache import forward_impl_name, load_ref_cache
+    from align.train.ref_cache import load_ref_cache
 
     info = start_session(run_dir, cfg.run, cfg.batch)
     model = load_policy(checkpoint, cfg.model, info, cfg.trainer)
@@ -249,7 +268,11 @@ def run_path_bias(
     )
     errors = margin_errors(chosen, rejected, ref_chosen[rows], ref_rejected[rows])
     training_impl = forward_impl_name(
-        model.attn_implementation, cfg.model.dtype, cfg.batch.micro_batch, shard.share_prompt
+        model.attn_implementation,
+        model.precision["compute"],
+        cfg.batch.micro_batch,
+        shard.share_prompt,
     )
     cache_impl = key["forward_impl"]
-    return path_bias_figures(errors, cfg.path_bias.tolerance, cache_impl, training_impl), info
+    figures = path_bias_figures(errors, cfg.path_bias.tolerance, cache_impl, training_impl)
+    return {**figures, "precision": model.precision, "devices": list(info.devices)}, info

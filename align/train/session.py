@@ -4,6 +4,9 @@ launch checks, the sharded policy, the trainer over this rank's batches, the exp
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -12,8 +15,10 @@ from align.config import BatchConfig, ModelConfig, OptimizerConfig, RunConfig, T
 from align.data.loader import BatchSource, PairShard
 from align.data.sampler import StepSampler
 from align.exit_codes import ConfigError
+from align.kernels.equivalence import RECEIPT_ENV
 from align.model.checkpoint import save_hf_state
 from align.model.hf_config import load_hf_config
+from align.paths import RunPaths
 from align.train.fsdp import gather_full_state, load_sharded
 from align.train.optim import (
     assert_horizon_consistent,
@@ -21,6 +26,7 @@ from align.train.optim import (
     build_scheduler,
     training_horizon,
 )
+from align.train.precision import Precision
 from align.train.trainer import Trainer
 from align.utils.dist import (
     DistInfo,
@@ -31,11 +37,16 @@ from align.utils.dist import (
 
 
 def start_session(run_dir: str | Path, run: RunConfig, batch: BatchConfig | None) -> DistInfo:
-    """Join the process group; refuse a launch whose topology or devices are wrong."""
+    """Join the process group; refuse a launch whose topology or devices are wrong. An
+    attention kernel that needs an equivalence receipt reads the one the workflow wrote."""
+    os.environ[RECEIPT_ENV] = str(RunPaths.of(run.results_dir).kernel_receipt)
     info = init_distributed(run_dir, run.device)
     if batch is not None:
         assert_launch_topology(batch, info.world_size)
-    assert_distinct_devices(info)
+    info = dataclasses.replace(info, devices=tuple(assert_distinct_devices(info)))
+    if info.is_main:
+        placed = ", ".join(f"{rank}={device}" for rank, device in enumerate(info.devices))
+        print(f"align: ranks on devices {placed}", file=sys.stderr, flush=True)
     torch.manual_seed(batch.seed if batch is not None else 0)
     return info
 
@@ -46,7 +57,7 @@ def load_policy(
     return load_sharded(
         path,
         info,
-        model_cfg.dtype,
+        Precision.of(model_cfg),
         model_cfg.attn_implementation,
         activation_checkpointing=bool(trainer and trainer.activation_checkpointing),
     )

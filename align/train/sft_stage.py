@@ -46,6 +46,8 @@ def run_sft(cfg: SftConfig, paths: RunPaths) -> dict[str, Any]:
         "held_rows": len(held),
         "training": summary,
         "held_nll": mean_nll(model, held, cfg.eval.batch_size, info),
+        "precision": model.precision,
+        "devices": list(info.devices),
     }, info
 
 
@@ -91,4 +93,6 @@ def evaluate_sft_gate(cfg: SftConfig, checkpoint: Path, run_dir: Path) -> dict[s
         "checks": checks,
         "generations": generations,
         "passed": all(c["passed"] for c in checks.values()),
+        "precision": model.precision,
+        "devices": list(info.devices),
     }

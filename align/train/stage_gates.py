@@ -1,7 +1,8 @@
 """Gates the arm stages re-check before loading a model (no torch).
 
 Each gate reads a receipt, verifies what it depends on, and raises `GateRefused`
-naming the gate, the file and the expected vs found value.
+naming the gate, the file and the expected vs found value. The files a receipt
+names are resolved against the results directory in use (`RunPaths.resolve`).
 """
 
 from __future__ import annotations
@@ -14,28 +15,42 @@ from pathlib import Path
 from typing import Any
 
 from align.config import ArmConfig, pinned_data_config
-from align.exit_codes import GateRefused
+from align.exit_codes import GateRefused, PreflightRefused
 from align.model.tokenizer_hash import tokenizer_hash
 from align.model.weights_hash import weights_fingerprint, weights_hash
 from align.paths import SPLITS, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, load_receipt, verify_hash
+from align.topology import topology
+from align.train.memory import (
+    check_device_projection,
+    check_projection,
+    device_memory_mb,
+    job_shape,
+    node_memory,
+    projected_device_memory,
+    projected_job_rss,
+)
 from align.train.path_bias import RECOMPUTE, required_forward_impl
-from align.train.probes import check_projection, projected_job_rss
-from align.train.ref_cache import check_key, expected_key, ref_forward_impl
+from align.train.ref_cache import (
+    TENSORS_HASH,
+    check_key,
+    check_tensors,
+    expected_key,
+    ref_forward_impl,
+)
 
 
 def sft_gate(paths: RunPaths) -> dict[str, Any]:
-    """The SFT quality receipt passed; returns it (its `checkpoint` is the one to use)."""
+    """The SFT quality receipt passed; returns it with its `checkpoint` (the one to use) resolved."""
     receipt = load_receipt(paths.sft_gate, "sft_gate", stage="sft_gate")
     if receipt.get("status") != PASSED or receipt.get("passed") is not True:
         raise GateRefused(
             "sft_gate", f"{paths.sft_gate}: expected passed=true, found {receipt.get('passed')!r}"
         )
-    if not Path(receipt["checkpoint"]).is_dir():
-        raise GateRefused(
-            "sft_gate", f"{paths.sft_gate}: checkpoint {receipt['checkpoint']} does not exist"
-        )
-    return receipt
+    checkpoint = paths.resolve(receipt["checkpoint"], "sft_gate", paths.sft_gate)
+    if not checkpoint.is_dir():
+        raise GateRefused("sft_gate", f"{paths.sft_gate}: checkpoint {checkpoint} does not exist")
+    return {**receipt, "checkpoint": str(checkpoint)}
 
 
 def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> dict[str, Any]:
@@ -44,6 +59,7 @@ def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> d
     Compared: the train / held counts with data.expected_*_pairs, every `[data]`
     choice that shapes the shards (format, seq_len, truncation, filters, ...), the
     tokenizer hash with that of the SFT checkpoint `checkpoint`, and each shard's hash.
+    The entry is returned with its shard paths resolved.
     """
     manifest = load_receipt(paths.manifest, "manifest", stage="build_manifest")
     arms = manifest.get("arms", {})
@@ -77,9 +93,13 @@ def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> d
         tokenizer_hash(checkpoint),
         pins.get("tokenizer_hash"),
     )
+    shards = {}
     for split in SPLITS:
-        verify_hash("manifest", entry["shards"][split]["path"], entry["shards"][split]["hash"])
-    return {**entry, "pins": pins}
+        shard = entry["shards"][split]
+        path = paths.resolve(shard["path"], "manifest", paths.manifest)
+        verify_hash("manifest", path, shard["hash"])
+        shards[split] = {**shard, "path": str(path)}
+    return {**entry, "shards": shards, "pins": pins}
 
 
 def _flat(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -130,9 +150,12 @@ class GateContext:
 def trusted_checkpoint_hash(receipt: dict[str, Any]) -> str:
     """The gate receipt's weight hash while the weight files are unchanged; else hash again."""
     checkpoint = receipt["checkpoint"]
-    if receipt.get("checkpoint_fingerprint") == weights_fingerprint(checkpoint):
-        return receipt["checkpoint_hash"]
-    found = weights_hash(checkpoint)
+    try:
+        if receipt.get("checkpoint_fingerprint") == weights_fingerprint(checkpoint):
+            return receipt["checkpoint_hash"]
+        found = weights_hash(checkpoint)
+    except (FileNotFoundError, ValueError) as err:
+        raise GateRefused("sft_gate", f"{checkpoint} is not a checkpoint: {err}") from err
     if found != receipt["checkpoint_hash"]:
         raise GateRefused(
             "sft_gate",
@@ -145,7 +168,10 @@ def _gate_sft(ctx: GateContext) -> dict[str, Any]:
     receipt = sft_gate(ctx.paths)
     ctx.checkpoint = receipt["checkpoint"]
     ctx.checkpoint_weights = trusted_checkpoint_hash(receipt)
-    return {"checkpoint": ctx.checkpoint, "weights": ctx.checkpoint_weights[:12]}
+    return {
+        "checkpoint": ctx.paths.recorded(ctx.checkpoint),
+        "weights": ctx.checkpoint_weights[:12],
+    }
 
 
 def _gate_manifest(ctx: GateContext) -> dict[str, Any]:
@@ -154,13 +180,26 @@ def _gate_manifest(ctx: GateContext) -> dict[str, Any]:
     return {"status": ctx.entry["status"], "train": counts["train"], "held": counts["held"]}
 
 
-def _gate_ref_cache(ctx: GateContext) -> dict[str, Any]:
-    ref = ctx.cfg.ref
-    impl = ref_forward_impl(ref)
+def use_caches(ctx: GateContext, impl: str, dtype: str, gate: str) -> None:
+    """Check the caches of forward path `impl` (key, then tensor bytes) and make them the ones in use."""
     for split in SPLITS:
-        key = ctx.cache_key(split, impl, ref.dtype)
-        check_key(ctx.arm.ref_cache(impl, split), key)
+        key = ctx.cache_key(split, impl, dtype)
+        check_key(ctx.arm.ref_cache(impl, split), key, gate=gate)
         ctx.caches[split] = (ctx.arm.ref_cache(impl, split), key)
+    path = ctx.arm.ref_receipt(impl)
+    receipt = load_receipt(path, gate, stage="ref_cache")
+    for split in SPLITS:
+        recorded = receipt.get("caches", {}).get(split, {}).get(TENSORS_HASH)
+        if not isinstance(recorded, str):
+            raise GateRefused(
+                gate, f"{path}: expected caches.{split}.{TENSORS_HASH}, found {recorded!r}"
+            )
+        check_tensors(ctx.arm.ref_cache(impl, split), recorded, path, gate)
+
+
+def _gate_ref_cache(ctx: GateContext) -> dict[str, Any]:
+    impl = ref_forward_impl(ctx.cfg.ref)
+    use_caches(ctx, impl, ctx.cfg.ref.dtype, "ref_cache")
     return {"forward_impl": impl}
 
 
@@ -175,22 +214,60 @@ def _gate_path_bias(ctx: GateContext) -> dict[str, Any]:
         )
     impl = required_forward_impl(report)
     if figures["action"] == RECOMPUTE:
-        for split in SPLITS:
-            key = ctx.cache_key(split, impl, ctx.cfg.model.dtype)
-            check_key(ctx.arm.ref_cache(impl, split), key, gate="path_bias")
-            ctx.caches[split] = (ctx.arm.ref_cache(impl, split), key)
+        use_caches(ctx, impl, ctx.cfg.model.dtype, "path_bias")
     ctx.path_bias = figures
     return {"action": figures["action"], "ratio": round(figures["ratio"], 4), "cache": impl}
 
 
 def _gate_preflight(ctx: GateContext) -> dict[str, Any]:
+    cfg = ctx.cfg
+    master_updates = check_master_updates(cfg, ctx.checkpoint)
     shard_bytes = sum(Path(ctx.entry["shards"][s]["path"]).stat().st_size for s in SPLITS)
-    ctx.projection = projected_job_rss(ctx.cfg, ctx.checkpoint, shard_bytes)
-    host = check_projection(ctx.projection, ctx.cfg.preflight.host_memory_fraction)
-    ctx.projection.update(host)
-    return {
+    nodes = topology(cfg.batch.world_size, cfg.batch.gpus_per_node, cfg.run.gpus_per_node).nodes
+    ctx.projection = projected_job_rss(job_shape("dpo", cfg, nodes), ctx.checkpoint, shard_bytes)
+    host = check_projection(
+        ctx.projection, cfg.preflight.host_memory_fraction, *node_memory(cfg.run)
+    )
+    ctx.projection.update(host, master_updates=master_updates)
+    shown = {
         "projected_mb": round(ctx.projection["total_mb"]),
         "available_mb": round(host["available_mb"]),
+    }
+    if cfg.run.device == "cuda":
+        device = projected_device_memory(cfg, ctx.checkpoint)
+        device.update(
+            check_device_projection(device, cfg.preflight, *device_memory_mb(cfg.preflight))
+        )
+        ctx.projection["device"] = device
+        shown.update(
+            device_projected_mb=round(device["total_mb"]), device_mb=round(device["device_mb"])
+        )
+    return shown
+
+
+def check_master_updates(cfg: ArmConfig, checkpoint: str | Path) -> dict[str, Any]:
+    """Refuse (exit 6) a low-precision master dtype whose weights one step at optimizer.lr
+    would mostly leave unchanged; float32 masters pass without a measurement."""
+    dtype, lr = cfg.model.master_dtype, cfg.optimizer.lr
+    if dtype == "float32":
+        return {"master_dtype": dtype}
+    from align.train.representability import moved_fraction, sample_weights
+
+    weights = sample_weights(checkpoint)
+    fraction = moved_fraction(weights, lr, dtype)
+    minimum = cfg.preflight.min_moved_fraction
+    if fraction < minimum:
+        raise PreflightRefused(
+            f"model.master_dtype = {dtype!r} at optimizer.lr = {lr:g}: one step would move "
+            f"{fraction:.2%} of the master elements (measured on {weights.size} weights of "
+            f"{checkpoint}), under preflight.min_moved_fraction = {minimum:g}; keep "
+            "master_dtype = 'float32' (compute can stay in model.dtype)"
+        )
+    return {
+        "master_dtype": dtype,
+        "lr": lr,
+        "moved_fraction": fraction,
+        "sampled": int(weights.size),
     }
 
 
@@ -233,7 +310,23 @@ GATE_NAMES = tuple(name for name, _ in GATE_ORDER)
 
 @dataclass
 class GateReport:
+    """Each gate that ran: its status, time and figures, in the order they ran."""
+
     rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def run(self, name: str, gate, *args, figures=lambda result: result):
+        """`gate(*args)`, timed; a refusal is recorded, printed with the table and raised."""
+        started = time.perf_counter()
+        try:
+            result = gate(*args)
+        except GateRefused as err:
+            failed = {"gate": name, "status": FAILED, "ms": _ms(started)}
+            self.rows.append({**failed, "figures": {"reason": str(err)}})
+            print(f"align gates:\n{self.table()}", file=sys.stderr)
+            raise
+        passed = {"gate": name, "status": PASSED, "ms": _ms(started)}
+        self.rows.append({**passed, "figures": figures(result)})
+        return result
 
     def table(self) -> str:
         lines = [f"  {'gate':<10} {'status':<8} {'ms':>8}  figures"]
@@ -252,21 +345,7 @@ def run_gates(ctx: GateContext, through: str) -> GateReport:
         raise ValueError(f"unknown gate {through!r} (gates: {', '.join(GATE_NAMES)})")
     report = GateReport()
     for name, gate in GATE_ORDER:
-        started = time.perf_counter()
-        try:
-            figures = gate(ctx)
-        except GateRefused as err:
-            report.rows.append(
-                {
-                    "gate": name,
-                    "status": FAILED,
-                    "ms": _ms(started),
-                    "figures": {"reason": str(err)},
-                }
-            )
-            print(f"align gates:\n{report.table()}", file=sys.stderr)
-            raise
-        report.rows.append({"gate": name, "status": PASSED, "ms": _ms(started), "figures": figures})
+        report.run(name, gate, ctx)
         if name == through or (name == "manifest" and ctx.descoped):
             break
     return report

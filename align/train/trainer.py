@@ -26,9 +26,23 @@ from align.config import TrainerConfig
 from align.exit_codes import AlignError, ResumableStop
 from align.receipts import write_json_atomic
 from align.train.checkpointing import CheckpointManager
-from align.utils.dist import DistInfo, all_reduce_sum, any_rank
+from align.utils.dist import DistInfo, all_reduce_sum, any_rank, barrier
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def reduce_step_sums(
+    adapter, batch_sums: list[dict[str, float]], tokens: int
+) -> tuple[dict[str, float], float]:
+    """The step's metrics over every micro-batch on every rank, and its attended tokens.
+
+    Sums are added over micro-batches and ranks (one all-reduce) before the adapter
+    divides, so a rank with fewer pairs or tokens weighs less.
+    """
+    keys = adapter.metric_keys
+    local = [sum(sums[key] for sums in batch_sums) for key in keys]
+    *reduced, total_tokens = all_reduce_sum([*local, tokens])
+    return adapter.summarize(dict(zip(keys, reduced, strict=True))), total_tokens
 
 
 class TrainingDiverged(AlignError):
@@ -92,6 +106,7 @@ class Trainer:
         self.stop = StopRequest()
         self.started = time.monotonic()
         self.resumed_from: str | None = None
+        self.resumed_after: dict[str, Any] | None = None  # the stop the resume follows
 
     @property
     def metrics_path(self) -> Path:
@@ -99,6 +114,9 @@ class Trainer:
 
     def prepare(self) -> None:
         """Resume from the newest valid checkpoint, or rotate stale ones away for a fresh run."""
+        if self.cfg.resume and self.stop_marker.is_file():
+            self.resumed_after = json.loads(self.stop_marker.read_text())
+        barrier()
         if self.info.is_main:
             self.stop_marker.unlink(missing_ok=True)
         latest = self.checkpoints.latest() if self.cfg.resume else None
@@ -130,22 +148,18 @@ class Trainer:
         micro_batches = self.source.micro_batches(self.state.step)
         local_denominator = self.adapter.step_denominator(micro_batches)
         (denominator,) = all_reduce_sum([local_denominator])
-        sums = dict.fromkeys(self.adapter.metric_keys, 0.0)
-        tokens = 0
+        batch_sums = []
         for batch in micro_batches:
-            loss, batch_sums = self.adapter.loss(self.model, batch, denominator)
+            loss, sums = self.adapter.loss(self.model, batch, denominator)
             # FSDP averages gradients over ranks; the loss is already a share of the global
             # mean, so scale it back to a sum (gloo cannot pre-multiply in the reduction).
             (loss * self.info.world_size).backward()
-            for key, value in batch_sums.items():
-                sums[key] += value
-            tokens += int(batch.attention_mask.sum())
-        reduced = all_reduce_sum([*sums.values(), tokens])
-        sums, tokens = dict(zip(sums, reduced[:-1], strict=True)), reduced[-1]
+            batch_sums.append(sums)
+        tokens = sum(int(batch.attention_mask.sum()) for batch in micro_batches)
+        metrics, tokens = reduce_step_sums(self.adapter, batch_sums, tokens)
         grad_norm = _to_float(
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         )
-        metrics = self.adapter.summarize(sums)
         skipped = any_rank(not (math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)))
         lr = self.scheduler.get_last_lr()[0]
         if not skipped:
@@ -255,7 +269,12 @@ class Trainer:
         """Tells the launcher the stop was clean and resumable."""
         if self.info.is_main:
             write_json_atomic(
-                self.stop_marker, {"step": self.state.step, "checkpoint": str(checkpoint)}
+                self.stop_marker,
+                {
+                    "step": self.state.step,
+                    "checkpoint": str(checkpoint),
+                    "reason": self._stop_reason(),
+                },
             )
 
     def _log(self, metrics: dict[str, Any]) -> None:
@@ -270,6 +289,7 @@ class Trainer:
             "micro_steps": self.state.micro_step,
             "skipped_steps": self.state.skipped_steps,
             "resumed_from": self.resumed_from,
+            "resumed_after": self.resumed_after,
             "final": self.last_metrics,
         }
 

@@ -25,6 +25,8 @@ class DistInfo:
     world_size: int
     device: torch.device
     backend: str
+    # Every rank's host:device, in rank order, once the launch checks have gathered them.
+    devices: tuple[str, ...] = ()
 
     @property
     def is_main(self) -> bool:
@@ -74,12 +76,18 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def host_name() -> str:
+    """The node this rank runs on: Slurm's node name inside a job, else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def device_identity(info: DistInfo) -> str:
-    """What makes a rank's device distinct: the host and the GPU's UUID (or the CPU process)."""
+    """What makes a rank's device distinct: the node, the GPU's index and UUID (or the CPU
+    process)."""
     if info.device.type == "cuda":
         props = torch.cuda.get_device_properties(info.device)
-        return f"{socket.gethostname()}:cuda:{props.uuid}"
-    return f"{socket.gethostname()}:cpu:pid{os.getpid()}"
+        return f"{host_name()}:cuda:{info.device.index}:{props.uuid}"
+    return f"{host_name()}:cpu:pid{os.getpid()}"
 
 
 def assert_distinct_devices(info: DistInfo, identity: str | None = None) -> list[str]:
@@ -120,6 +128,14 @@ def collective_device() -> torch.device:
 
 def all_reduce_sum(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_gather_floats(value: float) -> list[float]:
+    """Every rank's `value`, in rank order, on every rank."""
+    t = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=collective_device())
+    t[dist.get_rank()] = value
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
 

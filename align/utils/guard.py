@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -30,12 +31,20 @@ def cap_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+def heavy_lock_path(configured: str | Path) -> Path:
+    """The configured lock, or this user's own in the temporary directory."""
+    return Path(configured or Path(tempfile.gettempdir()) / f"align-heavy-{os.getuid()}.lock")
+
+
 def acquire_heavy_lock(lock_path: str | Path, mode: str, stage: str) -> None:
-    """Take the host-wide heavy-job lock: wait for it, or refuse (exit 6) when it is held."""
+    """Take the heavy-job lock of this user on this host: wait for it, or refuse (exit 6)
+    when it is held. Only rank 0 takes it, so a job's own ranks never wait on each other;
+    inside a Slurm job the scheduler already owns the node's resources, so none is taken."""
     if mode not in LOCK_MODES:
         raise ConfigError(f"run.heavy_lock expected one of {LOCK_MODES}, found {mode!r}")
-    if mode == "off" or os.environ.get("RANK", "0") != "0":
+    if mode == "off" or os.environ.get("RANK", "0") != "0" or "SLURM_JOB_ID" in os.environ:
         return
+    lock_path = heavy_lock_path(lock_path)
     lock = FileLock(str(lock_path))
     try:
         lock.acquire(timeout=-1 if mode == "wait" else 0)

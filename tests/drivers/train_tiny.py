@@ -19,6 +19,7 @@ import torch
 from align.config import ArmConfig, apply_overrides
 from align.data.loader import PairShard
 from align.exit_codes import run_with_exit_codes
+from align.receipts import write_json_atomic
 from align.train.adapters import DpoAdapter
 from align.train.dpo_stage import dpo_objective_of
 from align.train.session import build_trainer, export_policy, load_policy, start_session
@@ -30,6 +31,11 @@ def main() -> None:
     parser.add_argument("workdir", type=Path)
     parser.add_argument("--tag", required=True)
     parser.add_argument("--signal-at-step", type=int, default=0)
+    # Who gets the signal at that step: this rank's process, or its launcher (as Slurm
+    # signals a job step); which rank sends it; and which signal.
+    parser.add_argument("--signal-target", choices=("self", "launcher"), default="self")
+    parser.add_argument("--signal-rank", type=int, default=0)
+    parser.add_argument("--signal-name", choices=("SIGTERM", "SIGUSR1"), default="SIGTERM")
     parser.add_argument("--kill-in-checkpoint-at", type=int, default=0)
     ns, overrides = parser.parse_known_args()
     torch.set_num_threads(1)
@@ -60,9 +66,13 @@ def main() -> None:
         _kill_while_checkpointing(trainer, ns.kill_in_checkpoint_at)
 
     def on_step(metrics):
-        if ns.signal_at_step and trainer.state.step == ns.signal_at_step and info.rank == 0:
-            os.kill(os.getpid(), signal.SIGTERM)
+        at_step = ns.signal_at_step and trainer.state.step == ns.signal_at_step
+        if at_step and info.rank == ns.signal_rank:
+            target = os.getpid() if ns.signal_target == "self" else os.getppid()
+            os.kill(target, getattr(signal, ns.signal_name))
 
+    if info.is_main:
+        write_json_atomic(run_dir / "precision.json", model.precision)
     trainer.fit(on_step=on_step)
     export_policy(model, info, ns.workdir / "base", ns.workdir / f"out-{ns.tag}")
     destroy_distributed()

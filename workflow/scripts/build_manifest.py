@@ -6,7 +6,7 @@ import sys
 
 from align.config import ArmConfig, load_config
 from align.exit_codes import ConfigError, run_with_exit_codes
-from align.paths import RunPaths
+from align.paths import RunPaths, external_locations
 from align.receipts import PASSED
 from align.stage import Stage, parse_stage_args
 from align.train import stage_gates
@@ -18,7 +18,8 @@ def main() -> None:
     results_dirs = {item.cfg.run.results_dir for item in loaded}
     if len(results_dirs) != 1:
         raise ConfigError(f"arms disagree on run.results_dir: {sorted(results_dirs)}")
-    paths = RunPaths.of(results_dirs.pop())
+    external = [place for item in loaded for place in external_locations(item.cfg)]
+    paths = RunPaths.of(results_dirs.pop(), external)
     stage = Stage("build_manifest")
     checkpoint = stage_gates.sft_gate(paths)["checkpoint"]
     from align.data.build import prepare_arm, write_arms
@@ -31,7 +32,7 @@ def main() -> None:
     PromptRenderer(tokenizer, where=f"{checkpoint}/{CONFIG_FILE}")
     builds = [prepare_arm(item.cfg, tokenizer) for item in loaded]
     pins = {
-        "tokenizer_checkpoint": checkpoint,
+        "tokenizer_checkpoint": paths.recorded(checkpoint),
         "tokenizer_hash": tokenizer_hash(checkpoint),
         "chat_template": tokenizer.chat_template is not None,
         "chat_template_hash": template_hash(tokenizer.chat_template),

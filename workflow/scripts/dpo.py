@@ -20,7 +20,7 @@ def main() -> None:
     cfg = loaded.cfg
     probe = "probe" in args.flags
     stage = Stage("probe" if probe else "dpo")
-    ctx = GateContext(cfg, RunPaths.of(cfg.run.results_dir))
+    ctx = GateContext(cfg, RunPaths.of_config(cfg))
     report = run_gates(ctx, through="preflight" if probe else "probe")
     out = ctx.arm.probe if probe else ctx.arm.arm_result
     common = {"arm": cfg.arm, "config": to_dict(cfg), "gates": report.rows}
@@ -82,22 +82,22 @@ def write_arm_result(loaded, ctx: GateContext, stage: Stage, out, common: dict) 
     tripwire = figures.pop("tripwire")
     ended = tripwire["ended_by_tripwire"]
     if info.is_main:
-        arm = ctx.arm
-        caches = {split: str(path) for split, (path, _) in ctx.caches.items()}
+        arm, recorded = ctx.arm, ctx.paths.recorded
+        caches = {split: recorded(path) for split, (path, _) in ctx.caches.items()}
         receipt = stage.receipt(
             loaded,
             FAILED if ended else PASSED,
             descoped=False,
             inputs={
-                ctx.checkpoint: ctx.checkpoint_weights,
-                **{p: hash_file(p) for p in caches.values()},
+                recorded(ctx.checkpoint): ctx.checkpoint_weights,
+                **{recorded(path): hash_file(path) for path, _ in ctx.caches.values()},
             },
-            outputs={str(arm.policy_dir): weights_hash(arm.policy_dir)},
+            outputs={recorded(arm.policy_dir): weights_hash(arm.policy_dir)},
             figures=figures,
             tripwire=tripwire,
-            checkpoint=ctx.checkpoint,
+            checkpoint=recorded(ctx.checkpoint),
             caches=caches,
-            policy=str(arm.policy_dir),
+            policy=recorded(arm.policy_dir),
             path_bias=ctx.path_bias,
             projection=ctx.projection,
             **common,

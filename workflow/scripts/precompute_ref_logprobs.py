@@ -7,18 +7,20 @@ import sys
 
 from align.config import ArmConfig, load_config
 from align.exit_codes import run_with_exit_codes
-from align.paths import SPLITS, ArmPaths, RunPaths
+from align.model.weights_hash import file_tensors_hash
+from align.paths import SPLITS, RunPaths
 from align.receipts import PASSED, hash_file
 from align.stage import Stage, parse_stage_args
 from align.train import stage_gates
-from align.train.ref_cache import expected_key, ref_forward_impl
+from align.train.ref_cache import TENSORS_HASH, expected_key, ref_forward_impl
 from align.utils.guard import apply_resource_guards
 
 
-def build_caches(loaded, checkpoint: str, entry: dict, arm: ArmPaths, stage: Stage) -> None:
+def build_caches(loaded, checkpoint: str, entry: dict, paths: RunPaths, stage: Stage) -> None:
     from align.train.ref_precompute import precompute_ref_caches
 
     cfg = loaded.cfg
+    arm = paths.arm(cfg.arm)
     forward_impl = ref_forward_impl(cfg.ref)
     jobs = []
     for split in SPLITS:
@@ -39,42 +41,48 @@ def build_caches(loaded, checkpoint: str, entry: dict, arm: ArmPaths, stage: Sta
                 f"discarded), {rate} on {f['world_size']} rank(s)",
                 file=sys.stderr,
             )
+        # The gates check each cache's tensor bytes against this record, not only its metadata.
+        caches = {
+            split: {
+                "path": paths.recorded(out),
+                "hash": hash_file(out),
+                TENSORS_HASH: file_tensors_hash(out),
+            }
+            for split, (_, out, _) in zip(SPLITS, jobs, strict=True)
+        }
         receipt = stage.receipt(
             loaded,
             PASSED,
-            inputs={checkpoint: jobs[0][2]["checkpoint_weights"]},
-            outputs={str(out): hash_file(out) for _, out, _ in jobs},
+            inputs={paths.recorded(checkpoint): jobs[0][2]["checkpoint_weights"]},
+            outputs={cache["path"]: cache["hash"] for cache in caches.values()},
             figures=figures,
             forward_impl=forward_impl,
+            caches=caches,
         )
         stage.write(arm.ref_receipt(forward_impl), receipt)
 
 
-def measure_path_bias(loaded, checkpoint: str, entry: dict, arm: ArmPaths, stage: Stage) -> None:
+def measure_path_bias(loaded, checkpoint: str, entry: dict, paths: RunPaths, stage: Stage) -> None:
     from align.train.path_bias import table
     from align.train.ref_precompute import run_path_bias
 
     cfg = loaded.cfg
+    arm = paths.arm(cfg.arm)
     cache_impl = ref_forward_impl(cfg.ref)
     shard = entry["shards"]["train"]["path"]
     key = expected_key(
         checkpoint, shard, cfg.data.seq_len, cfg.data.truncation, cfg.ref.dtype, cache_impl
     )
-    figures, info = run_path_bias(
-        cfg, checkpoint, shard, arm.ref_cache(cache_impl, "train"), key, arm.run_dir
-    )
+    cache = arm.ref_cache(cache_impl, "train")
+    figures, info = run_path_bias(cfg, checkpoint, shard, cache, key, arm.run_dir)
     if info.is_main:
         print(f"align path_bias: arm {cfg.arm}\n{table(figures)}", file=sys.stderr)
         receipt = stage.receipt(
             loaded,
             PASSED,
-            inputs={
-                str(arm.ref_cache(cache_impl, "train")): hash_file(
-                    arm.ref_cache(cache_impl, "train")
-                )
-            },
+            inputs={paths.recorded(cache): hash_file(cache)},
             figures=figures,
-            checkpoint=checkpoint,
+            checkpoint=paths.recorded(checkpoint),
         )
         stage.write(arm.path_bias, receipt)
 
@@ -82,7 +90,7 @@ def measure_path_bias(loaded, checkpoint: str, entry: dict, arm: ArmPaths, stage
 def main() -> None:
     args = parse_stage_args(sys.argv[1:], flags=("path-bias",))
     loaded = load_config(args.configs[0], ArmConfig, args.overrides)
-    cfg, paths = loaded.cfg, RunPaths.of(loaded.cfg.run.results_dir)
+    cfg, paths = loaded.cfg, RunPaths.of_config(loaded.cfg)
     mode = "path_bias" if "path-bias" in args.flags else "ref_cache"
     stage = Stage(mode)
     checkpoint = stage_gates.sft_gate(paths)["checkpoint"]
@@ -91,7 +99,7 @@ def main() -> None:
     from align.utils.dist import destroy_distributed
 
     run = measure_path_bias if mode == "path_bias" else build_caches
-    run(loaded, checkpoint, entry, paths.arm(cfg.arm), stage)
+    run(loaded, checkpoint, entry, paths, stage)
     destroy_distributed()
 
 

@@ -20,7 +20,7 @@ def main() -> None:
     loaded = load_config(args.configs[0], ArmConfig, args.overrides)
     cfg = loaded.cfg
     stage = Stage("preflight")
-    ctx = GateContext(cfg, RunPaths.of(cfg.run.results_dir))
+    ctx = GateContext(cfg, RunPaths.of_config(cfg))
     report = run_gates(ctx, through="preflight")
     print(f"align preflight: arm {cfg.arm}\n{report.table()}", file=sys.stderr)
     figures = ctx.projection or {"descoped": True}

@@ -11,7 +11,6 @@ FAILED receipt that says why, so the report can show it.
 from __future__ import annotations
 
 import sys
-import time
 
 from align.config import ArmConfig, SelectionConfig, load_config, to_dict
 from align.eval import selection as sel
@@ -21,20 +20,6 @@ from align.receipts import FAILED, PASSED, hash_file
 from align.stage import Stage, parse_stage_args
 from align.train import stage_gates
 from align.utils.guard import cap_threads
-
-
-class Gates:
-    """Runs each gate once, timing it; the first refusal propagates."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict] = []
-
-    def run(self, name: str, fn, *args):
-        started = time.perf_counter()
-        result = fn(*args)
-        ms = round(1e3 * (time.perf_counter() - started), 2)
-        self.rows.append({"gate": name, "status": PASSED, "ms": ms})
-        return result
 
 
 def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, policies):
@@ -70,38 +55,70 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
     figures = paired.policy_figures(scores, cfg.paired, cfg.generation.max_new_tokens)
     eval_set = {
         "name": cfg.paired.eval_set,
-        "path": str(work.eval_set),
+        "path": paths.recorded(work.eval_set),
         "hash": hash_file(work.eval_set),
         **union,
         "response_tokens": paired.response_lengths(arrays),
         "chosen_responses": chosen_responses(arrays, pins["eos_id"]),
     }
-    return {"eval_set": eval_set, **figures}
+    return {"eval_set": eval_set, **figures, "devices": list(info.devices)}
 
 
 def main() -> None:
     args = parse_stage_args(sys.argv[1:], n_configs=None)
     selection_toml, *arm_tomls = args.configs
     loaded = load_config(selection_toml, SelectionConfig, args.overrides)
-    cfg, paths = loaded.cfg, RunPaths.of(loaded.cfg.run.results_dir)
+    cfg, paths = loaded.cfg, RunPaths.of_config(loaded.cfg)
     arms = [load_config(path, ArmConfig).cfg.arm for path in arm_tomls]
     sel.check_selection_config(cfg, arms, str(selection_toml))
     stage = Stage("select_arms")
-    gates = Gates()
-    gate = gates.run("sft_gate", stage_gates.sft_gate, paths)
-    sft_hash = gates.run("sft_weights", sel.sft_weights_gate, gate)
-    manifest = gates.run("manifest", sel.manifest_gate, paths, arms)
+    gates = stage_gates.GateReport()
+    gate = gates.run(
+        "sft_gate",
+        stage_gates.sft_gate,
+        paths,
+        figures=lambda r: {"checkpoint": paths.recorded(r["checkpoint"])},
+    )
+    sft_hash = gates.run(
+        "sft_weights",
+        stage_gates.trusted_checkpoint_hash,
+        gate,
+        figures=lambda found: {"weights": found[:12]},
+    )
+    manifest = gates.run(
+        "manifest", sel.manifest_gate, paths, arms, figures=lambda m: {"arms": len(m["arms"])}
+    )
     results = {
-        arm: gates.run(f"arm_result:{arm}", sel.arm_result_gate, paths, arm, gate["checkpoint"])
+        arm: gates.run(
+            f"arm_result:{arm}",
+            sel.arm_result_gate,
+            paths,
+            arm,
+            gate["checkpoint"],
+            figures=lambda r: {"status": r["status"]},
+        )
         for arm in arms
     }
-    sources = gates.run("eval_set", sel.eval_set_sources, cfg.paired.eval_set, manifest, arms)
+    sources = gates.run(
+        "eval_set",
+        sel.eval_set_sources,
+        cfg.paired.eval_set,
+        manifest,
+        arms,
+        figures=lambda found: {"sources": ", ".join(sorted(found))},
+    )
     standings = {arm: sel.arm_standing(results[arm]) for arm in arms}
     # Measured arms with a policy are scored even when not eligible, so a badly
     # measured arm is still seen beside the others; only the decision skips it.
     scored = [arm for arm in arms if standings[arm]["measured"] and results[arm].get("policy")]
     # Arms first, so each comparison with the SFT policy reads "arm - sft".
-    policies = {**{arm: results[arm]["policy"] for arm in scored}, sel.SFT: gate["checkpoint"]}
+    policies = {
+        **{
+            arm: str(paths.resolve(results[arm]["policy"], "arm_result", paths.arm(arm).arm_result))
+            for arm in scored
+        },
+        sel.SFT: gate["checkpoint"],
+    }
 
     cap_threads(cfg.run.threads)
     from align.utils.dist import destroy_distributed
@@ -111,12 +128,16 @@ def main() -> None:
     standings = sel.judge_generations(standings, figures["policies"], band)
     figures["generation_band"] = band.as_dict()
     decision = sel.decide(cfg.rule, cfg.default_arm, standings, figures["comparisons"])
+    recorded = paths.recorded
     inputs = {
-        str(paths.sft_gate): hash_file(paths.sft_gate),
-        gate["checkpoint"]: sft_hash,
-        str(paths.manifest): hash_file(paths.manifest),
-        **{src["path"]: src["hash"] for src in sources.values()},
-        **{str(paths.arm(arm).arm_result): hash_file(paths.arm(arm).arm_result) for arm in arms},
+        recorded(paths.sft_gate): hash_file(paths.sft_gate),
+        recorded(gate["checkpoint"]): sft_hash,
+        recorded(paths.manifest): hash_file(paths.manifest),
+        **{recorded(src["path"]): src["hash"] for src in sources.values()},
+        **{
+            recorded(paths.arm(arm).arm_result): hash_file(paths.arm(arm).arm_result)
+            for arm in arms
+        },
         **{
             results[arm]["policy"]: results[arm]["outputs"][results[arm]["policy"]]
             for arm in scored

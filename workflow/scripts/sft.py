@@ -15,7 +15,7 @@ from align.utils.guard import apply_resource_guards
 def main() -> None:
     args = parse_stage_args(sys.argv[1:])
     loaded = load_config(args.configs[0], SftConfig, args.overrides)
-    cfg, paths = loaded.cfg, RunPaths.of(loaded.cfg.run.results_dir)
+    cfg, paths = loaded.cfg, RunPaths.of_config(loaded.cfg)
     stage = Stage("sft")
     apply_resource_guards(cfg.run, "sft", [cfg.run.results_dir])
     from align.model.weights_hash import weights_hash
@@ -24,8 +24,8 @@ def main() -> None:
 
     figures, info = run_sft(cfg, paths)
     if info.is_main:
-        outputs = {str(paths.sft_checkpoint): weights_hash(paths.sft_checkpoint)}
-        inputs = {str(cfg.run.base_model): weights_hash(cfg.run.base_model)}
+        outputs = {paths.recorded(paths.sft_checkpoint): weights_hash(paths.sft_checkpoint)}
+        inputs = {paths.recorded(cfg.run.base_model): weights_hash(cfg.run.base_model)}
         stage.write(
             paths.sft_receipt,
             stage.receipt(loaded, PASSED, inputs=inputs, outputs=outputs, figures=figures),

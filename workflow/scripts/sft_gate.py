@@ -17,7 +17,7 @@ from align.utils.guard import apply_resource_guards
 def main() -> None:
     args = parse_stage_args(sys.argv[1:])
     loaded = load_config(args.configs[0], SftConfig, args.overrides)
-    cfg, paths = loaded.cfg, RunPaths.of(loaded.cfg.run.results_dir)
+    cfg, paths = loaded.cfg, RunPaths.of_config(loaded.cfg)
     stage = Stage("sft_gate")
     checkpoint = Path(cfg.run.sft_checkpoint) if cfg.run.sft_checkpoint else paths.sft_checkpoint
     apply_resource_guards(cfg.run, "sft_gate", [cfg.run.results_dir])
@@ -29,10 +29,10 @@ def main() -> None:
     receipt = stage.receipt(
         loaded,
         PASSED if result["passed"] else FAILED,
-        inputs={str(checkpoint): weights_hash(checkpoint)},
+        inputs={paths.recorded(checkpoint): weights_hash(checkpoint)},
         figures=result,
         passed=result["passed"],
-        checkpoint=str(checkpoint),
+        checkpoint=paths.recorded(checkpoint),
         checkpoint_hash=weights_hash(checkpoint),
         checkpoint_fingerprint=weights_fingerprint(checkpoint),
     )

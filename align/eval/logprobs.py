@@ -28,7 +28,9 @@ def sequence_logps_and_counts(
     model: torch.nn.Module, batch: TokenBatch
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-prob float32, scored token count) per sequence through the chunked path:
-    [B] for plain rows, [2b] (chosen then rejected) for a prefix-shared batch of b pairs."""
+    [B] for plain rows, [2b] (chosen then rejected) for a prefix-shared batch of b pairs,
+    on the model's device (the batch is moved there)."""
+    batch = batch.to(model.device)
     labels = batch.labels
     if labels is None:
         labels = shift_labels(batch.input_ids, batch.loss_mask)

@@ -1,0 +1,36 @@
+"""How a job's ranks lie on nodes (stdlib only: the rules size jobs with it).
+
+A pre-registered world size and a per-node rank (GPU) count give the job's nodes; a world
+size that the per-node count does not divide is refused before anything is submitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from align.exit_codes import ConfigError
+
+
+@dataclass(frozen=True)
+class Topology:
+    """`nodes` x `per_node` ranks; one launcher (torchrun agent) per node."""
+
+    nodes: int
+    per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.per_node
+
+
+def topology(world_size: int, gpus_per_node: int, site_gpus_per_node: int = 0) -> Topology:
+    """The job's layout: `gpus_per_node` from the pre-registration, else the site's value;
+    0 for both, or a world that fits one node, puts every rank on one node."""
+    per_node = min(gpus_per_node or site_gpus_per_node or world_size, world_size)
+    if per_node < 1 or world_size % per_node:
+        source = "batch.gpus_per_node" if gpus_per_node else "the workflow's gpus_per_node"
+        raise ConfigError(
+            f"batch.world_size = {world_size} does not divide into nodes of {per_node} ranks "
+            f"({source} = {per_node}): choose a world size that is a multiple of it"
+        )
+    return Topology(nodes=world_size // per_node, per_node=per_node)

@@ -1,0 +1,141 @@
+"""The device-memory projection for Mistral-7B, against first-principles arithmetic and
+against the table the README shows."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from align.cli import main as align_main
+from align.config import ArmConfig, apply_overrides
+from align.exit_codes import PreflightRefused
+from align.train.memory import (
+    GIB,
+    MIB,
+    activation_bytes_per_token_layer,
+    check_device_projection,
+    parameter_count,
+    projected_device_memory,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+MISTRAL_7B = {
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "torch_dtype": "bfloat16",
+}
+TOPOLOGY = ["--batch.world_size=4", "--micro_batch=1", "--grad_accum=16", "--global_batch=64"]
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory) -> Path:
+    """A config-only Mistral-7B checkpoint: the projection needs no weights."""
+    directory = tmp_path_factory.mktemp("mistral-7b")
+    (directory / "config.json").write_text(json.dumps(MISTRAL_7B))
+    return directory
+
+
+def arm(optimizer: str, checkpointing: bool, *extra: str) -> ArmConfig:
+    cfg = ArmConfig(arm="mistral7b")
+    overrides = [
+        "--model.dtype=bfloat16",
+        f"--optimizer.name={optimizer}",
+        "--data.seq_len=2048",
+        "--run.device=cuda",
+        f"--trainer.activation_checkpointing={str(checkpointing).lower()}",
+        *TOPOLOGY,
+        *extra,
+    ]
+    apply_overrides(cfg, overrides, where="test")
+    return cfg
+
+
+def test_mistral_7b_has_its_published_parameter_count(stub):
+    from align.model.hf_config import load_hf_config
+
+    assert parameter_count(load_hf_config(stub))["total"] == 7_241_732_096
+
+
+def test_sharded_terms_follow_from_the_parameter_count(stub):
+    per_gpu = 7_241_732_096 / 4
+    adamw = projected_device_memory(arm("adamw", False), stub)["terms_mb"]
+    eight_bit = projected_device_memory(arm("adamw8bit", False), stub)["terms_mb"]
+    assert adamw["master_weights"] == pytest.approx(per_gpu * 4 / MIB)
+    assert adamw["gradients"] == pytest.approx(per_gpu * 4 / MIB)
+    assert adamw["optimizer_state"] == pytest.approx(per_gpu * 8 / MIB)
+    assert eight_bit["optimizer_state"] == pytest.approx(per_gpu * (2 + 8 / 256) / MIB)
+    # A bf16 master halves the weights, the gradients and torch AdamW's moments.
+    pure = projected_device_memory(arm("adamw", False, "--model.master_dtype=bfloat16"), stub)
+    assert pure["terms_mb"]["optimizer_state"] == pytest.approx(per_gpu * 4 / MIB)
+    assert pure["terms_mb"]["master_weights"] == pytest.approx(per_gpu * 2 / MIB)
+
+
+def test_activations_follow_from_the_layer_arithmetic(stub):
+    from align.model.hf_config import load_hf_config
+
+    config = load_hf_config(stub)
+    # Two norms (float32 input + bf16 output), rotary q/k, q k v + output + lse, o input, MLP.
+    by_hand = 2 * (4 * 4096 + 2 * 4096) + 2 * (4096 + 1024) + 2 * (2 * 4096 + 2 * 1024)
+    by_hand += 4 * 32 + 2 * 4096 + 4 * 2 * 14336
+    assert activation_bytes_per_token_layer(config, 2) == by_hand == 202_880
+    tokens = 2 * 2048
+    mask = 2 * 2048 * 2048 * 2
+    expected = 32 * (tokens * by_hand + mask) + tokens * 4096 * 2
+    terms = projected_device_memory(arm("adamw", False), stub)["terms_mb"]
+    assert terms["activations"] == pytest.approx(expected / MIB)
+    checkpointed = projected_device_memory(arm("adamw", True), stub)["terms_mb"]
+    assert checkpointed["activations"] < terms["activations"] / 10
+
+
+def readme_totals() -> dict[tuple[str, str], float]:
+    text = (REPO / "README.md").read_text()
+    rows = re.findall(r"(?m)^\| (adamw\w*) \| (on|off) \|.*\*\*([\d.]+)\*\* \|$", text)
+    return {(opt, ac): float(total) for opt, ac, total in rows}
+
+
+def test_the_readme_table_is_what_the_projection_says(stub):
+    documented = readme_totals()
+    assert len(documented) == 4
+    for (optimizer, checkpointing), total in documented.items():
+        projection = projected_device_memory(arm(optimizer, checkpointing == "on"), stub)
+        assert round(projection["total_mb"] * MIB / GIB, 1) == total, (optimizer, checkpointing)
+
+
+def test_a_job_over_the_device_is_refused_naming_the_terms(stub):
+    cfg = arm("adamw", False)
+    projection = projected_device_memory(cfg, stub)
+    with pytest.raises(PreflightRefused, match=r"exceeds 92% of 40960 MiB .*activations"):
+        check_device_projection(projection, cfg.preflight, 40 * 1024, "a 40 GiB card")
+    fits = check_device_projection(projection, cfg.preflight, 141 * 1024, "an H200")
+    assert fits["device_source"] == "an H200"
+
+
+def test_align_memory_prints_the_projection(stub, capsys):
+    code = align_main(
+        [
+            "memory",
+            str(REPO / "config" / "arms" / "argilla.toml"),
+            "--checkpoint",
+            str(stub),
+            "--model.dtype=bfloat16",
+            "--optimizer.name=adamw8bit",
+            "--data.seq_len=2048",
+            *TOPOLOGY,
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "total per GPU" in out and "48.54 GiB" in out

@@ -1,0 +1,180 @@
+"""Every command in the README's shell blocks, run as a user types it.
+
+Snakemake commands are dry-run (`--dry-run` appended) and the jobs they plan are counted;
+the stage commands run in a copy of a finished default run; `make` and `pip` commands
+are checked for what they would do. A command the README gains without a check here
+fails the first test.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import run_snakemake, stand_in_apptainer
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+
+# The jobs of the embedded default's `arms` target, from nothing.
+ARMS_FROM_NOTHING = Counter(
+    tiny_default=1,
+    sft=1,
+    sft_gate=1,
+    build_manifest=1,
+    ref_cache=2,
+    path_bias=2,
+    preflight=2,
+    probe=2,
+    dpo=2,
+    select_arms=1,
+    arms=1,
+)
+# After a finished run, forcing ref_cache reruns it and what depends on it, nothing above.
+ARMS_AFTER_REF_CACHE = Counter(
+    ref_cache=2, path_bias=2, preflight=2, probe=2, dpo=2, select_arms=1, arms=1
+)
+
+
+def readme_commands() -> list[str]:
+    """The command lines of the README's unlabelled code blocks, without their comments."""
+    blocks = re.findall(r"(?ms)^```\n(.*?)^```$", README.read_text())
+    lines = (line.split("  #")[0].strip() for block in blocks for line in block.splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def planned_jobs(run: subprocess.CompletedProcess) -> Counter:
+    """The job counts of a dry run's `Job stats` table."""
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    table = (run.stdout + run.stderr).split("Job stats:")[1].split("total")[0]
+    return Counter({job: int(n) for job, n in re.findall(r"(?m)^(\w+)\s+(\d+)$", table)})
+
+
+def dry_run(workdir: Path, command: str, **kwargs) -> Counter:
+    """`command` (a `snakemake ...` line) dry-run in `workdir`, from the repository root."""
+    args = shlex.split(command)
+    assert args[0] == "snakemake", command
+    profile = [i for i, arg in enumerate(args) if arg == "--workflow-profile"]
+    for i in profile:  # relative to where the user stands: the repository root
+        args[i + 1] = str(REPO / args[i + 1])
+    return planned_jobs(run_snakemake(workdir, *args[1:], "--dry-run", timeout=300, **kwargs))
+
+
+@pytest.fixture(scope="module")
+def finished_copy(finished_workflow, tmp_path_factory) -> Path:
+    """A copy of a finished default run where the README's relative paths resolve."""
+    work = tmp_path_factory.mktemp("readme")
+    for part in ("results", "resources"):
+        shutil.copytree(finished_workflow / part, work / part, symlinks=True)
+    (work / "config").symlink_to(REPO / "config")
+    (work / "workflow").symlink_to(REPO / "workflow")
+    return work
+
+
+def stage(command: str, cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+    args = shlex.split(command)
+    assert args[0] == "python", command
+    return subprocess.run(
+        [sys.executable, *args[1:], *extra], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def check_make_arms(command, tmp_path, finished_copy):
+    # The suite's finished_workflow fixture runs this recipe; here, that it is the recipe.
+    recipe = subprocess.run(["make", "-n", "arms"], cwd=REPO, capture_output=True, text=True)
+    assert recipe.returncode == 0, recipe.stderr
+    assert "snakemake --cores 2 arms" in recipe.stdout, recipe.stdout
+
+
+def check_make_test(command, tmp_path, finished_copy):
+    # CI runs exactly this; here, that it brings the services up and requires them.
+    recipe = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True)
+    assert recipe.returncode == 0, recipe.stderr
+    assert "bash .ci/services_up.sh" in recipe.stdout, recipe.stdout
+    assert "ALIGN_SERVICES=required" in recipe.stdout and "pytest" in recipe.stdout
+
+
+def check_dry_run_from_nothing(command, tmp_path, finished_copy):
+    assert dry_run(tmp_path, command) == ARMS_FROM_NOTHING
+
+
+def check_forcerun_after_a_finished_run(command, tmp_path, finished_copy):
+    assert dry_run(finished_copy, command) == ARMS_AFTER_REF_CACHE
+
+
+def check_dry_run_under_the_profile(command, tmp_path, finished_copy):
+    # No image here: the stand-in answers Snakemake's version check; nothing runs.
+    bin_dir = stand_in_apptainer(tmp_path / "bin")
+    assert dry_run(tmp_path, command, path_first=(bin_dir,)) == ARMS_FROM_NOTHING
+
+
+def check_gates_of_a_stage_by_hand(command, tmp_path, finished_copy):
+    # Run as written; an override command trains, so it runs through the gates only.
+    extra = () if "--gates-only" in command else ("--gates-only",)
+    run = stage(command, finished_copy, *extra)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "probe      PASSED" in run.stderr, run.stderr[-3000:]
+
+
+# The build backend from the venv: an isolated build would fetch setuptools from the index.
+NO_BUILD = ("--no-build-isolation",)
+
+
+def check_pip_extra(command, tmp_path, finished_copy):
+    # Resolved against what is installed, no index: the extra and all it pulls are satisfied.
+    args = shlex.split(command)
+    assert args[:3] == ["pip", "install", "-e"], command
+    run = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", *NO_BUILD, *args[2:]],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "snakemake-executor-plugin-slurm" in run.stdout, run.stdout[-3000:]
+
+
+CHECKS = {
+    "make arms": check_make_arms,
+    "make test": check_make_test,
+    "snakemake --dry-run arms": check_dry_run_from_nothing,
+    "snakemake --cores 2 arms --forcerun ref_cache": check_forcerun_after_a_finished_run,
+    "python workflow/scripts/dpo.py config/arms/argilla.toml --lr=5e-7": (
+        check_gates_of_a_stage_by_hand
+    ),
+    "python workflow/scripts/dpo.py config/arms/argilla.toml --gates-only": (
+        check_gates_of_a_stage_by_hand
+    ),
+    "pip install -e '.[slurm]'": check_pip_extra,
+    "snakemake --workflow-profile profiles/slurm arms": check_dry_run_under_the_profile,
+    "snakemake --executor slurm --jobs 16 --retries 2 arms": check_dry_run_from_nothing,
+}
+
+
+def test_every_readme_command_has_a_check():
+    assert set(readme_commands()) == set(CHECKS), set(readme_commands()) ^ set(CHECKS)
+
+
+ON_A_FINISHED_RUN = (check_forcerun_after_a_finished_run, check_gates_of_a_stage_by_hand)
+
+
+@pytest.mark.parametrize(
+    "command", [command for command, check in CHECKS.items() if check not in ON_A_FINISHED_RUN]
+)
+def test_the_readme_command_does_what_it_says(command, tmp_path):
+    CHECKS[command](command, tmp_path, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command", [command for command, check in CHECKS.items() if check in ON_A_FINISHED_RUN]
+)
+def test_the_readme_command_does_what_it_says_on_a_finished_run(command, tmp_path, finished_copy):
+    CHECKS[command](command, tmp_path, finished_copy)
