@@ -3,6 +3,9 @@ band a policy's generations must stay in, and the data's chosen responses read a
 
 from __future__ import annotations
 
+import queue as queue_module
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -67,12 +70,13 @@ def _check_on_rank(rank, world, init, path, prompts, eos, out) -> None:
 
     from align.eval.generation import generation_check
     from align.train.fsdp import load_sharded
+    from align.train.precision import Precision
     from align.utils.dist import DistInfo
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     info = DistInfo(rank, rank, world, torch.device("cpu"), "gloo")
-    model = load_sharded(path, info, "float32", "sdpa")
+    model = load_sharded(path, info, Precision("float32"), "sdpa")
     check = generation_check(model, prompts, MAX_NEW, eos, PAD, info)
     out.put((rank, check.as_dict()))
     dist.destroy_process_group()
@@ -87,7 +91,15 @@ def sharded_checks(tmp_path, path, prompts, eos) -> dict[int, dict]:
     for p in procs:
         p.start()
     # A rank that ran fewer forwards than the other would hang the sharded model here.
-    results = dict(queue.get(timeout=120) for _ in procs)
+    results, deadline = {}, time.monotonic() + 120
+    while len(results) < len(procs):
+        try:
+            rank, check = queue.get(timeout=2)
+            results[rank] = check
+        except queue_module.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead, f"a rank exited with {dead} before reporting its check"
+            assert time.monotonic() < deadline, f"only ranks {sorted(results)} reported"
     for p in procs:
         p.join(timeout=60)
     return results
