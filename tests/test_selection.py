@@ -596,9 +596,14 @@ def run_select(work: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def selection(fabricated_run) -> dict:
+def selection_run(fabricated_run) -> subprocess.CompletedProcess:
     run = run_select(fabricated_run)
     assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def selection(selection_run, fabricated_run) -> dict:
     return read_json(fabricated_run / "results" / "selection.json")
 
 
@@ -631,6 +636,34 @@ def test_the_stage_scores_measured_policies_on_the_union_of_held_out_shards(sele
         assert policy["precision"]["compute"] == "float32", policy["precision"]
     assert figures["policies"][sel.SFT]["mean_chosen_logp_change"] == 0.0
     assert len(figures["devices"]) == 1 and ":cpu" in figures["devices"][0], figures
+
+
+def test_the_stage_records_and_shows_the_precision_and_devices_that_scored(
+    selection, selection_run
+):
+    figures = selection["figures"]
+    precision = figures["precision"]
+    assert (precision["compute"], precision["master"], precision["loss"]) == ("float32",) * 3
+    assert precision["read_back"]["linear_weights"] == ["float32"]
+    assert all(p["precision"] == precision for p in figures["policies"].values())
+    banner = figures["banner"]
+    assert "compute float32, master float32, reduce float32, loss head float32" in banner
+    assert f"0={figures['devices'][0]}" in banner and "72 pairs" in banner
+    assert f"align select_arms: banner\n{banner}" in selection_run.stderr
+
+
+def test_policies_scored_at_different_precisions_are_refused_by_name():
+    def scored(compute: str) -> paired.PolicyScores:
+        record = {"compute": compute, "master": "float32", "reduce": "float32", "loss": "float32"}
+        return paired.PolicyScores(np.zeros(2), np.zeros(2), [1], [True], record)
+
+    same = {"alpha": scored("float32"), sel.SFT: scored("float32")}
+    assert paired.shared_precision(same) == same["alpha"].precision
+    mixed = {"alpha": scored("float32"), "beta": scored("bfloat16"), sel.SFT: scored("float32")}
+    with pytest.raises(
+        ConfigError, match=r"\['beta'\] were scored at another precision than alpha"
+    ):
+        paired.shared_precision(mixed)
 
 
 def test_the_receipt_records_the_rule_and_the_hashes_of_what_it_read(selection, fabricated_run):

@@ -27,6 +27,7 @@ from align.exit_codes import ConfigError
 from align.losses.dpo import DPOObjective
 from align.paths import FIRST_RUN, RERUN, SPLITS
 from align.train.adapters import DpoAdapter
+from align.train.precision import describe as describe_precision
 from align.train.probes import probe_figures
 from align.train.ref_cache import load_ref_cache
 from align.train.session import build_trainer, export_policy, load_policy, start_session
@@ -139,11 +140,7 @@ def banner(cfg: ArmConfig, ctx: GateContext, model, info: DistInfo) -> str:
             f"{ctx.projection['total_mb']:.0f} MiB for {ctx.projection['optimizer']}",
         ),
         ("attention", model.attn_implementation),
-        (
-            "precision",
-            f"compute {model.precision['compute']}, master {model.precision['master']}, "
-            f"reduce {model.precision['reduce']}, loss head {model.precision['loss']}",
-        ),
+        ("precision", describe_precision(model.precision)),
         ("world size", str(info.world_size)),
         (
             "projected wall",

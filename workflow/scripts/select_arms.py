@@ -39,8 +39,9 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
     write_shard(work.eval_set, arrays, PAIR_FORMAT, split="eval", sources=sorted(sources))
     shard = PairShard(work.eval_set)
     prompts = generation_prompts(arrays, cfg.generation.prompts)
-    scores = {
-        name: paired.score_policy(
+    scores, banner = {}, None
+    for name, checkpoint in policies.items():
+        scores[name] = paired.score_policy(
             checkpoint,
             cfg.model,
             info,
@@ -50,8 +51,13 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
             cfg.generation.max_new_tokens,
             pins,
         )
-        for name, checkpoint in policies.items()
-    }
+        if banner is None:
+            banner = paired.scoring_banner(
+                policies, len(shard), cfg.model, scores[name].precision, list(info.devices)
+            )
+            if info.is_main:
+                print(f"align select_arms: banner\n{banner}", file=sys.stderr, flush=True)
+    precision = paired.shared_precision(scores)
     figures = paired.policy_figures(scores, cfg.paired, cfg.generation.max_new_tokens)
     eval_set = {
         "name": cfg.paired.eval_set,
@@ -61,7 +67,8 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
         "response_tokens": paired.response_lengths(arrays),
         "chosen_responses": chosen_responses(arrays, pins["eos_id"]),
     }
-    return {"eval_set": eval_set, **figures, "devices": list(info.devices)}
+    placed = {"precision": precision, "devices": list(info.devices), "banner": banner}
+    return {"eval_set": eval_set, **figures, **placed}
 
 
 def main() -> None:
