@@ -649,6 +649,7 @@ def test_the_stage_records_and_shows_the_precision_and_devices_that_scored(
     banner = figures["banner"]
     assert "compute float32, master float32, reduce float32, loss head float32" in banner
     assert f"0={figures['devices'][0]}" in banner and "72 pairs" in banner
+    assert "alpha (alpha/policy)" in banner and "sft (sft/checkpoint)" in banner
     assert f"align select_arms: banner\n{banner}" in selection_run.stderr
 
 

@@ -52,8 +52,10 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
             pins,
         )
         if banner is None:
+            # Policies as receipts name them: relative to the results directory inside it.
+            named = {policy: paths.recorded(path) for policy, path in policies.items()}
             banner = paired.scoring_banner(
-                policies, len(shard), cfg.model, scores[name].precision, list(info.devices)
+                named, len(shard), cfg.model, scores[name].precision, list(info.devices)
             )
             if info.is_main:
                 print(f"align select_arms: banner\n{banner}", file=sys.stderr, flush=True)
