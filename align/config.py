@@ -192,13 +192,50 @@ class TripwireResponse:
 
 
 @dataclass
+class GenerationBandConfig:
+    """Where a policy's greedy generations must stay, relative to the SFT policy's greedy
+    generations on the same prompts and to the data's chosen responses (align.eval.sanity)."""
+
+    # Terminated fraction at least this share of the SFT policy's ...
+    min_terminated_vs_sft: float = 0.75
+    # ... and at least this share of the data's chosen responses' (truncation can cut eos).
+    min_terminated_vs_chosen: float = 0.75
+    # Mean length within [length_low x the shorter, length_high x the longer reference].
+    length_low: float = 0.5
+    length_high: float = 1.5
+
+
+@dataclass
+class DisarmedWires:
+    """Why a pre-registration disarms a wire: required for each disarmed wire, refused for an
+    armed one, so no wire is switched off without a stated reason."""
+
+    collapse: str = ""
+    length_drift: str = ""
+    generation: str = ""
+
+
+@dataclass
 class TripwireConfig:
+    """The wires watched while training (align.train.tripwires) and the one rerun's response."""
+
+    # Windowed chosen log-ratio per token below the floor while the margin grows.
     collapse: bool = True
     logps_window: int = 64
     chosen_logp_floor: float = -1.0
+    # Share of pairs whose implicit reward prefers the longer response, vs the data's.
     length_drift: bool = True
     length_window_pairs: int = 128
     length_band: float = 0.25
+    # Greedy generations of a fixed held-out prompt set every `generation_every_steps`
+    # optimizer steps (and after the last) must stay inside `generation_band`.
+    generation: bool = True
+    generation_every_steps: int = 25
+    # Few and short, so a check costs seconds: every rank decodes its share together.
+    generation_prompts: int = 8
+    generation_max_new_tokens: int = 40
+    generation_band: GenerationBandConfig = field(default_factory=GenerationBandConfig)
+    disarmed: DisarmedWires = field(default_factory=DisarmedWires)
     response: TripwireResponse = field(default_factory=TripwireResponse)
 
 
@@ -295,10 +332,11 @@ class PairedEvalConfig:
 
 @dataclass
 class LengthProbeConfig:
-    """Greedy generations on held-out prompts, so an arm that exploits length is visible."""
+    """Greedy generations on held-out prompts: an arm outside `band` is ineligible."""
 
     prompts: int = 16
     max_new_tokens: int = 48
+    band: GenerationBandConfig = field(default_factory=GenerationBandConfig)
 
 
 @dataclass
@@ -536,6 +574,7 @@ def validate(cfg: Any, where: str) -> None:
                 f"{where}: key 'data.max_prompt_tokens' expected an integer >= 1 or none, "
                 f"found {budget!r}"
             )
+        check_disarmed_reasons(cfg.tripwires, where)
     for dotted, value, ok, expected in _ranges(cfg):
         if not ok:
             raise ConfigError(f"{where}: key {dotted!r} expected {expected}, found {value!r}")
@@ -551,6 +590,22 @@ def validate(cfg: Any, where: str) -> None:
             )
 
 
+def check_disarmed_reasons(wires: TripwireConfig, where: str) -> None:
+    """Each disarmed wire states why in [tripwires.disarmed]; an armed wire has no reason."""
+    for wire in (f.name for f in dataclasses.fields(DisarmedWires)):
+        armed, reason = getattr(wires, wire), getattr(wires.disarmed, wire).strip()
+        if not armed and not reason:
+            raise ConfigError(
+                f"{where}: key 'tripwires.{wire}' is false but 'tripwires.disarmed.{wire}' "
+                "gives no reason; a pre-registration that disarms a wire must say why"
+            )
+        if armed and reason:
+            raise ConfigError(
+                f"{where}: key 'tripwires.disarmed.{wire}' gives a reason, but "
+                f"'tripwires.{wire}' is armed; remove the reason or disarm the wire"
+            )
+
+
 POSITIVE_INTS = (
     "world_size",
     "micro_batch",
@@ -560,7 +615,11 @@ POSITIVE_INTS = (
     "threads",
     "batch_size",
     "slice_pairs",
+    "generation_every_steps",
+    "generation_prompts",
+    "generation_max_new_tokens",
 )
+FRACTIONS = ("min_terminated_vs_sft", "min_terminated_vs_chosen")
 
 
 def _ranges(cfg: Any):
@@ -577,6 +636,12 @@ def _ranges(cfg: Any):
             yield dotted, value, 0.0 < value < 1.0, "a fraction in (0, 1)"
         elif leaf in ("lr", "beta"):
             yield dotted, value, math.isfinite(value) and value > 0, "a finite number > 0"
+        elif leaf in FRACTIONS:
+            yield dotted, value, 0.0 <= value <= 1.0, "a fraction in [0, 1]"
+        elif leaf == "length_low":
+            yield dotted, value, 0.0 <= value <= 1.0, "a factor in [0, 1]"
+        elif leaf == "length_high":
+            yield dotted, value, value >= 1.0, "a factor >= 1"
         elif leaf in ("min_moved_fraction", "device_memory_fraction"):
             yield dotted, value, 0.0 < value <= 1.0, "a fraction in (0, 1]"
         elif leaf == "gpus_per_node":

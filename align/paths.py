@@ -19,6 +19,9 @@ from typing import Any
 from align.exit_codes import GateRefused
 
 SPLITS = ("train", "held")
+# The DPO stage's training runs: the first, and the one pre-registered rerun after an alarm.
+FIRST_RUN, RERUN = "first", "rerun"
+TRAINING_RUNS = (FIRST_RUN, RERUN)
 
 
 def _absolute(path: str | Path) -> Path:
@@ -183,6 +186,15 @@ class ArmPaths:
     @property
     def metrics(self) -> Path:
         return self.run_dir / "metrics.jsonl"
+
+    def training_run_dir(self, run: str) -> Path:
+        """The DPO stage's first run trains in run_dir, its one pre-registered rerun under it."""
+        if run not in TRAINING_RUNS:
+            raise ValueError(f"training run must be one of {TRAINING_RUNS}, got {run!r}")
+        return self.run_dir if run == FIRST_RUN else self.run_dir / RERUN
+
+    def training_run_metrics(self, run: str) -> Path:
+        return self.training_run_dir(run) / self.metrics.name
 
 
 def _covers(place: str, path: Path) -> bool:

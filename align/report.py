@@ -19,11 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from align.eval.selection import NOT_RECORDED, arm_standing, tripwire_record
-from align.paths import ArmPaths, RunPaths
+from align.paths import FIRST_RUN, RERUN, ArmPaths, RunPaths
 
 ARM_FIGURES = ("training", "tripwires", "probe")
-# The DPO stage trains its one pre-registered rerun in this directory under the arm's run dir.
-RERUN_DIR = "rerun"
 RUN_FIGURES = ("held_out", "paired")
 
 
@@ -83,21 +81,30 @@ class ArmRecord:
         return tripwire_record(self.result) if self.result else None
 
     @property
+    def runs(self) -> list[dict[str, Any]]:
+        """The training runs the DPO stage recorded, first run first."""
+        return self.tripwire.get("runs", []) if self.tripwire else []
+
+    @property
     def rerun(self) -> bool:
         return bool(self.tripwire and self.tripwire.get("rerun"))
+
+    def run_alarms(self, run: str) -> list[dict[str, Any]]:
+        fired = self.tripwire.get("fired", []) if self.tripwire else []
+        return [a for a in fired if a["run"] == run]
 
     @property
     def first_run_alarms(self) -> list[dict[str, Any]]:
         """Alarms of the run a rerun replaced (none without a rerun)."""
-        return self.tripwire.get("alarms", []) if self.rerun else []
+        return self.run_alarms(FIRST_RUN) if self.rerun else []
 
     @property
     def final_run_alarms(self) -> list[dict[str, Any]]:
         """Alarms of the run that produced the policy."""
-        if self.tripwire is None:
-            return []
-        key = "rerun_alarms" if self.rerun else "alarms"
-        return self.tripwire.get(key, [])
+        return self.run_alarms(RERUN if self.rerun else FIRST_RUN)
+
+    def run_signals(self, run: str) -> dict[str, list[list[float]]]:
+        return next((r.get("signals", {}) for r in self.runs if r["run"] == run), {})
 
     @property
     def step_times(self) -> list[float] | None:
@@ -164,7 +171,7 @@ def arm_record(arm_paths: ArmPaths) -> ArmRecord:
     )
     if record.rerun:
         record.first_run_metrics = record.metrics
-        record.metrics = read_metrics(arm_paths.run_dir / RERUN_DIR / arm_paths.metrics.name)
+        record.metrics = read_metrics(arm_paths.training_run_metrics(RERUN))
     return record
 
 
@@ -224,7 +231,7 @@ def probe_cell(record: ArmRecord) -> str:
     return f"median {statistics.median(times):.3f} s/step ({len(times)} steps)"
 
 
-def arms_section(arms: Sequence[ArmRecord]) -> Section:
+def arms_section(arms: Sequence[ArmRecord], selection: dict[str, Any] | None) -> Section:
     headers = [
         "arm",
         "status",
@@ -245,11 +252,13 @@ def arms_section(arms: Sequence[ArmRecord]) -> Section:
             continue
         held = record.result.get("figures", {}).get("held_out", {})
         last = record.metrics[-1] if record.metrics else {}
+        # The selection judges generations too, so its standing is the last word.
+        judged = (selection or {}).get("arms", {}).get(record.arm, record.standing)
         rows.append(
             [
                 record.arm,
                 record.result["status"],
-                record.standing["standing"],
+                judged["standing"],
                 str(len(record.metrics)) if record.metrics else NOT_RECORDED,
                 f"{last['loss']:.4f}" if last else NOT_RECORDED,
                 signed(last.get("rewards/margins")) if last else NOT_RECORDED,
@@ -261,6 +270,66 @@ def arms_section(arms: Sequence[ArmRecord]) -> Section:
             ]
         )
     return Section("Arms (held-out accuracy with Wilson 95% intervals)", headers, rows)
+
+
+def run_metrics(record: ArmRecord, run: str) -> list[dict[str, Any]]:
+    """The metric lines of one training run of the arm."""
+    return record.first_run_metrics if run == FIRST_RUN and record.rerun else record.metrics
+
+
+def checks_cell(checks: Sequence[dict[str, Any]]) -> str:
+    """Each generation check as `step: terminated fraction / mean tokens`."""
+    if not checks:
+        return NOT_RECORDED
+    return ", ".join(
+        f"{c['step']}: {c['terminated_fraction']:.2f} / {c['mean_tokens']:.1f}" for c in checks
+    )
+
+
+def runs_section(arms: Sequence[ArmRecord]) -> Section:
+    """The first run and the rerun side by side: what each ran with and how it went."""
+    headers = [
+        "arm",
+        "run",
+        "lr / beta / rpo_alpha",
+        "steps",
+        "final loss",
+        "final margin",
+        "final chosen logp",
+        "fired",
+        "generations: step: terminated / mean tokens",
+        "result",
+    ]
+    rows, notes = [], []
+    for record in arms:
+        if not record.runs:
+            notes.append(f"{record.arm}: training runs {NOT_RECORDED}")
+            continue
+        result_run = record.tripwire.get("result_run")
+        for run in record.runs:
+            name, config, summary = run["run"], run["config"], run["summary"]
+            last = (run_metrics(record, name) or [{}])[-1]
+            fired = ", ".join(f"{a['name']} at {a['step']}" for a in record.run_alarms(name))
+            rows.append(
+                [
+                    record.arm,
+                    name,
+                    f"{config['lr']:g} / {config['beta']:g} / {config['rpo_alpha']:g}",
+                    f"{summary['steps']}/{summary['horizon_steps']}",
+                    f"{last['loss']:.4f}" if "loss" in last else NOT_RECORDED,
+                    signed(last.get("rewards/margins")),
+                    f"{last['logps/chosen']:.2f}" if "logps/chosen" in last else NOT_RECORDED,
+                    fired or "none",
+                    checks_cell(run.get("generation_checks", [])),
+                    "yes" if name == result_run else "no",
+                ]
+            )
+    return Section(
+        "Training runs (the first run and the pre-registered rerun side by side)",
+        headers,
+        rows,
+        notes,
+    )
 
 
 def gates_section(arms: Sequence[ArmRecord], selection: dict[str, Any] | None) -> Section:
@@ -388,14 +457,54 @@ def paired_sections(selection: dict[str, Any] | None) -> list[Section]:
     ]
 
 
+def selection_row(arm: str, standing: dict[str, Any], policy: dict[str, Any] | None) -> list[str]:
+    generation = standing.get("generation")
+    rerun = standing.get("rerun")
+    return [
+        arm,
+        standing["status"],
+        standing["standing"],
+        f"{policy['accuracy']:.3f}" if policy else NOT_RECORDED,
+        f"{generation['terminated_fraction']:.2f}" if generation else NOT_RECORDED,
+        f"{generation['mean_tokens']:.1f}" if generation else NOT_RECORDED,
+        ", ".join(standing.get("alarms", [])) or "none",
+        NOT_RECORDED if rerun is None else ("yes" if rerun else "no"),
+        standing["reason"],
+    ]
+
+
+def band_note(band: dict[str, Any] | None) -> str:
+    if band is None:
+        return f"generation band: {NOT_RECORDED}"
+    low, high = band["mean_tokens"]
+    return (
+        f"generation band: terminated fraction >= {band['min_terminated_fraction']:.2f}, "
+        f"mean length in [{low:.1f}, {high:.1f}] tokens (SFT {band['sft']['terminated_fraction']:.2f}"
+        f" / {band['sft']['mean_tokens']:.1f}, data chosen {band['chosen']['terminated_fraction']:.2f}"
+        f" / {band['chosen']['mean_tokens']:.1f})"
+    )
+
+
 def selection_section(selection: dict[str, Any] | None) -> Section:
-    headers = ["arm", "status", "standing", "reason"]
+    headers = [
+        "arm",
+        "status",
+        "standing",
+        "accuracy",
+        "terminated",
+        "mean tokens",
+        "wires fired",
+        "rerun",
+        "reason",
+    ]
     if selection is None:
         return Section("Selection", headers, [], [f"selection: {NOT_RECORDED}"])
     decision = selection["decision"]
-    rows = [[arm, s["status"], s["standing"], s["reason"]] for arm, s in selection["arms"].items()]
+    policies = selection.get("figures", {}).get("policies", {})
+    rows = [selection_row(arm, s, policies.get(arm)) for arm, s in selection["arms"].items()]
     notes = [
         f"rule {decision['rule']}, pre-registered default arm {decision['default_arm']}",
+        band_note(selection.get("figures", {}).get("generation_band")),
         f"selected: {decision['selected'] or 'none'} ({decision['branch']})",
         f"reason: {decision['reason']}",
     ]
@@ -405,7 +514,8 @@ def selection_section(selection: dict[str, Any] | None) -> Section:
 def sections(summary: RunSummary) -> list[Section]:
     return [
         sft_gate_section(summary.sft_gate),
-        arms_section(summary.arms),
+        arms_section(summary.arms, summary.selection),
+        runs_section(summary.arms),
         gates_section(summary.arms, summary.selection),
         alarms_section(summary.arms),
         *paired_sections(summary.selection),

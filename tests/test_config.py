@@ -61,6 +61,48 @@ def test_steppairs_arm_loads_with_default_filters():
     assert cfg.data.filters.min_chosen_score is None
 
 
+WIRES = ("collapse", "length_drift", "generation")
+
+
+@pytest.mark.parametrize("path", sorted((CONFIG / "arms").glob("*.toml")), ids=lambda p: p.stem)
+def test_every_shipped_pre_registration_arms_every_wire(path):
+    wires = load_config(path, ArmConfig).cfg.tripwires
+    assert {wire: getattr(wires, wire) for wire in WIRES} == dict.fromkeys(WIRES, True)
+    assert all(not reason for reason in vars(wires.disarmed).values())
+    assert wires.response.rpo_alpha and wires.response.rpo_alpha > 0
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_a_disarmed_wire_without_a_reason_is_refused(wire):
+    message = refused(ARGILLA, ArmConfig, [f"--tripwires.{wire}=false"])
+    assert f"'tripwires.{wire}' is false but 'tripwires.disarmed.{wire}' gives no reason" in message
+    assert str(ARGILLA) in message
+
+
+def test_a_disarmed_wire_with_a_reason_loads_and_a_reason_for_an_armed_wire_is_refused():
+    reason = "--tripwires.disarmed.collapse=watched by the generation wire in this study"
+    cfg = load_config(ARGILLA, ArmConfig, ["--tripwires.collapse=false", reason]).cfg
+    assert cfg.tripwires.collapse is False
+    message = refused(ARGILLA, ArmConfig, [reason])
+    assert (
+        "'tripwires.disarmed.collapse' gives a reason, but 'tripwires.collapse' is armed" in message
+    )
+
+
+@pytest.mark.parametrize(
+    "token, expected",
+    [
+        ("--tripwires.generation_band.min_terminated_vs_sft=1.5", "a fraction in [0, 1]"),
+        ("--tripwires.generation_band.length_low=1.2", "a factor in [0, 1]"),
+        ("--tripwires.generation_band.length_high=0.9", "a factor >= 1"),
+        ("--tripwires.generation_every_steps=0", "an integer >= 1"),
+        ("--tripwires.generation_prompts=0", "an integer >= 1"),
+    ],
+)
+def test_a_generation_wire_setting_out_of_range_is_refused(token, expected):
+    assert expected in refused(ARGILLA, ArmConfig, [token])
+
+
 def test_sft_config_loads():
     cfg = load_config(SFT, SftConfig).cfg
     assert cfg.data.seq_len == 96

@@ -196,7 +196,8 @@ def bf16_arm(source: str) -> str:
     edited = edited.replace("length_drift = true", "length_drift = false")
     for change in ('[model]\ndtype = "bfloat16"', "share_prompt = true", "length_drift = false"):
         assert change in edited, change
-    return edited + "\n[trainer]\nmax_micro_steps = 4\nprobe_steps = 4\n"
+    disarmed = '\n[tripwires.disarmed]\nlength_drift = "four micro-steps check wiring only"\n'
+    return edited + disarmed + "\n[trainer]\nmax_micro_steps = 4\nprobe_steps = 4\n"
 
 
 def bf16_copy(finished: Path, tmp_path: Path) -> tuple[Path, tuple[str, ...]]:

@@ -82,22 +82,62 @@ def signal(steps: int, spike_at: int | None = None) -> list[list[float]]:
     return [[s, 5.0 + (36.0 if s == spike_at else 0.0)] for s in range(steps)]
 
 
+def generation_checks(terminated: list[float]) -> list[dict]:
+    return [
+        {"step": 4 * i, "prompts": 8, "terminated_fraction": t, "mean_tokens": 18.0 + 20 * (1 - t)}
+        for i, t in enumerate(terminated)
+    ]
+
+
+def run_record(run: str, steps: int, lr: float, rpo_alpha: float, signals: dict, checks) -> dict:
+    return {
+        "run": run,
+        "config": {"lr": lr, "beta": 0.1, "rpo_alpha": rpo_alpha},
+        "summary": {"steps": steps, "horizon_steps": 30},
+        "signals": signals,
+        "bands": {
+            "grad_norm": [0.0, 20.0],
+            "margin": [None, 5.0],
+            "generation_terminated": [0.75, 1.0],
+        },
+        "generation_checks": checks,
+    }
+
+
 # argilla: a tripwire fired on the first run, the pre-registered rerun passed.
 RERUN = {
-    "alarms": [alarm("grad_norm", 7, 41.0)],
     "rerun": True,
-    "rerun_alarms": [],
+    "result_run": "rerun",
     "ended_by_tripwire": False,
-    "signals": {"grad_norm": signal(12), "margin": [[s, 0.1 * s] for s in range(12)]},
-    "first_run_signals": {"grad_norm": signal(8, spike_at=7)},
-    "bands": {"grad_norm": [0.0, 20.0], "margin": [None, 5.0]},
+    "fired": [{"run": "first", **alarm("grad_norm", 7, 41.0)}],
+    "runs": [
+        run_record(
+            "first",
+            8,
+            1e-3,
+            0.0,
+            {"grad_norm": signal(8, spike_at=7), "generation_terminated": [[0, 1.0], [4, 0.5]]},
+            generation_checks([1.0, 0.5]),
+        ),
+        run_record(
+            "rerun",
+            30,
+            5e-4,
+            0.3,
+            {"grad_norm": signal(12), "margin": [[s, 0.1 * s] for s in range(12)]},
+            generation_checks([1.0, 1.0, 0.875]),
+        ),
+    ],
 }
 # tripped: it fired again on the rerun, which ended training.
 ENDED = {
     **RERUN,
-    "rerun_alarms": [alarm("grad_norm", 3, 55.0)],
     "ended_by_tripwire": True,
-    "signals": {"grad_norm": signal(4, spike_at=3)},
+    "fired": [*RERUN["fired"], {"run": "rerun", **alarm("grad_norm", 3, 55.0)}],
+    "runs": [
+        RERUN["runs"][0],
+        run_record("rerun", 4, 5e-4, 0.3, {"grad_norm": signal(4, spike_at=3)}, []),
+    ],
 }
 
 
@@ -229,6 +269,20 @@ def test_a_rerun_and_a_tripwire_ended_arm_are_told_apart(results):
     alarms = section(text, "Tripwire alarms")
     assert any(re.match(r"argilla\s+first run\s+grad_norm\s+7\s+41\s", line) for line in alarms)
     assert any(re.match(r"tripped\s+rerun\s+grad_norm\s+3\s+55\s", line) for line in alarms)
+
+
+def test_the_first_run_and_the_rerun_are_shown_side_by_side(results):
+    text = render_text(gather(results))
+    runs = section(text, "Training runs")
+    first = next(line for line in runs if re.match(r"argilla\s+first\s", line))
+    rerun = next(line for line in runs if re.match(r"argilla\s+rerun\s", line))
+    # Each run: its configuration, steps, final loss / margin / chosen log-prob from its own
+    # metrics, what fired, and the terminated fraction of every generation check.
+    assert re.search(r"0\.001 / 0\.1 / 0\s+8/30\s+0\.6230\s+\+0\.350\s+-77\.00", first)
+    assert "grad_norm at 7" in first and "0: 1.00 / 18.0, 4: 0.50 / 28.0" in first
+    assert re.search(r"0\.0005 / 0\.1 / 0\.3\s+30/30\s+0\.4030\s+\+1\.450\s+-99\.00", rerun)
+    assert "none" in rerun and "8: 0.88 / 20.5" in rerun and rerun.rstrip().endswith("yes")
+    assert "steppairs: training runs not recorded" in text
 
 
 def test_without_a_selection_the_summary_says_so(results):

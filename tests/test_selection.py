@@ -13,9 +13,11 @@ import pytest
 import torch
 from tiny_models import TINY_SIZES
 
-from align.config import PairedEvalConfig, SelectionConfig, load_config
+from align.config import GenerationBandConfig, PairedEvalConfig, SelectionConfig, load_config
 from align.eval import paired
 from align.eval import selection as sel
+from align.eval.generation import generation_prompts
+from align.eval.sanity import GenerationBand
 from align.exit_codes import GATE_REFUSED, ConfigError, GateRefused
 from align.paths import RunPaths
 from align.receipts import (
@@ -164,8 +166,8 @@ def test_generation_prompts_are_the_first_distinct_ones():
     union, _ = paired.union_pairs(
         {"a": shard_arrays([1, 2], 4), "b": shard_arrays([3], 6, prompt=(10, 11, 12))}, 0
     )
-    assert paired.generation_prompts(union, 5) == [[5, 6], [10, 11, 12]]
-    assert paired.generation_prompts(union, 1) == [[5, 6]]
+    assert generation_prompts(union, 5) == [[5, 6], [10, 11, 12]]
+    assert generation_prompts(union, 1) == [[5, 6]]
     assert paired.response_lengths(union) == {"chosen": 1.0, "rejected": 2.0}
 
 
@@ -208,12 +210,19 @@ def arm_result(arm: str, status: str = PASSED, **extra) -> dict:
 
 
 def tripwire(ended: bool, rerun: bool, alarms=("loss_spike",)) -> dict:
+    runs = ["first", "rerun"] if rerun else ["first"]
+    fired = [
+        {"run": run, "name": n, "step": 12, "value": 9.0, "band": [0.0, 2.0]}
+        for run in runs
+        if run == "first" or ended
+        for n in alarms
+    ]
     return {
-        "alarms": [{"name": n, "step": 12, "value": 9.0, "band": [0.0, 2.0]} for n in alarms],
         "rerun": rerun,
+        "result_run": runs[-1],
         "ended_by_tripwire": ended,
-        "signals": {},
-        "bands": {},
+        "fired": fired,
+        "runs": [{"run": run, "signals": {}, "bands": {}} for run in runs],
     }
 
 
@@ -342,6 +351,72 @@ def test_no_eligible_arm_selects_nothing_and_says_why():
     result = decide({"argilla": DESCOPED_ARM, "steppairs": TRIPPED}, [])
     assert (result["selected"], result["branch"]) == (None, "no_eligible_arm")
     assert "never measured" in result["reason"] and "measured badly" in result["reason"]
+
+
+# --- generation sanity ----------------------------------------------------------------------
+
+BAND = GenerationBand.of(
+    GenerationBandConfig(),
+    {"terminated_fraction": 1.0, "mean_tokens": 17.2},
+    {"terminated_fraction": 1.0, "mean_tokens": 18.4},
+)
+
+
+def generations(**by_arm: tuple[float, float]) -> dict:
+    return {
+        arm: {"generation": {"terminated_fraction": t, "mean_tokens": n}}
+        for arm, (t, n) in by_arm.items()
+    }
+
+
+def test_an_arm_whose_policy_stops_ending_its_generations_is_ineligible_and_not_selected():
+    standings = {
+        "argilla": sel.arm_standing(arm_result("argilla")),
+        "steppairs": sel.arm_standing(arm_result("steppairs")),
+    }
+    policies = generations(argilla=(0.9375, 16.5), steppairs=(0.0, 48.0), sft=(1.0, 17.2))
+    judged = sel.judge_generations(standings, policies, BAND)
+    assert (
+        judged["argilla"]["standing"] == sel.ELIGIBLE and judged["argilla"]["generation"]["inside"]
+    )
+    runaway = judged["steppairs"]
+    assert (runaway["standing"], runaway["measured"]) == (sel.INELIGIBLE, True)
+    assert "terminated fraction 0.00 below the minimum 0.75" in runaway["reason"]
+    assert "mean generation length 48.0 tokens outside [8.6, 27.6]" in runaway["reason"]
+    assert runaway["generation"]["terminated_fraction"] == 0.0
+    # Its paired accuracy beats argilla's with an interval above 0, and still it is not chosen.
+    result = decide(judged, [comparison("steppairs", "argilla", 0.11, 0.03, 0.19)])
+    assert (result["selected"], result["branch"]) == ("argilla", "only_eligible_arm")
+    assert result["excluded"] == {"steppairs": runaway["reason"]}
+
+
+def test_with_no_eligible_arm_the_selection_reports_none_with_the_reasons():
+    standings = {
+        "argilla": sel.arm_standing(arm_result("argilla")),
+        "steppairs": sel.arm_standing(arm_result("steppairs", tripwire=tripwire(False, True))),
+    }
+    policies = generations(argilla=(0.125, 44.8), steppairs=(0.5, 30.0), sft=(1.0, 17.2))
+    judged = sel.judge_generations(standings, policies, BAND)
+    assert {arm: s["standing"] for arm, s in judged.items()} == dict.fromkeys(
+        standings, sel.INELIGIBLE
+    )
+    result = decide(judged, [comparison("argilla", "steppairs", 0.05, -0.02, 0.12)])
+    assert (result["selected"], result["branch"]) == (None, "no_eligible_arm")
+    assert "argilla measured, but its greedy generations leave" in result["reason"]
+    assert "terminated fraction 0.12 below the minimum 0.75" in result["reason"]
+    assert "steppairs measured, but" in result["reason"]
+    assert "mean generation length 30.0 tokens outside" in result["reason"]
+
+
+def test_arms_already_excluded_keep_their_reason_and_unscored_arms_are_unchanged():
+    standings = {
+        "argilla": sel.arm_standing(arm_result("argilla", tripwire=tripwire(True, True))),
+        "ultra": sel.arm_standing(arm_result("ultra", DESCOPED, reason="kept 12 pairs")),
+    }
+    judged = sel.judge_generations(standings, generations(argilla=(0.0, 48.0)), BAND)
+    assert judged["argilla"]["standing"] == sel.TRIPWIRE_ENDED
+    assert judged["argilla"]["generation"]["inside"] is False
+    assert judged["ultra"] == standings["ultra"]
 
 
 def test_a_comparison_reads_the_same_from_either_side():
@@ -486,11 +561,16 @@ def fabricated_run(tmp_path_factory) -> Path:
     )
     for arm in ARMS:
         write_arm_toml(work, arm)
-    (work / "selection.toml").write_text(
-        'rule = "paired_accuracy"\ndefault_arm = "beta"\n'
-        "[paired]\nn_boot = 500\nseed = 1\n[generation]\nprompts = 3\nmax_new_tokens = 6\n"
-    )
+    (work / "selection.toml").write_text(SELECTION_TOML + PERMISSIVE_BAND)
     return work
+
+
+SELECTION_TOML = (
+    'rule = "paired_accuracy"\ndefault_arm = "beta"\n'
+    "[paired]\nn_boot = 500\nseed = 1\n[generation]\nprompts = 3\nmax_new_tokens = 6\n"
+)
+# The random tiny models never end a generation; most tests here are about the other rules.
+PERMISSIVE_BAND = "[generation.band]\nmin_terminated_vs_sft = 0.0\nmin_terminated_vs_chosen = 0.0\n"
 
 
 def recorded(path: Path) -> str:
@@ -516,9 +596,14 @@ def run_select(work: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def selection(fabricated_run) -> dict:
+def selection_run(fabricated_run) -> subprocess.CompletedProcess:
     run = run_select(fabricated_run)
     assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+@pytest.fixture(scope="module")
+def selection(selection_run, fabricated_run) -> dict:
     return read_json(fabricated_run / "results" / "selection.json")
 
 
@@ -551,6 +636,35 @@ def test_the_stage_scores_measured_policies_on_the_union_of_held_out_shards(sele
         assert policy["precision"]["compute"] == "float32", policy["precision"]
     assert figures["policies"][sel.SFT]["mean_chosen_logp_change"] == 0.0
     assert len(figures["devices"]) == 1 and ":cpu" in figures["devices"][0], figures
+
+
+def test_the_stage_records_and_shows_the_precision_and_devices_that_scored(
+    selection, selection_run
+):
+    figures = selection["figures"]
+    precision = figures["precision"]
+    assert (precision["compute"], precision["master"], precision["loss"]) == ("float32",) * 3
+    assert precision["read_back"]["linear_weights"] == ["float32"]
+    assert all(p["precision"] == precision for p in figures["policies"].values())
+    banner = figures["banner"]
+    assert "compute float32, master float32, reduce float32, loss head float32" in banner
+    assert f"0={figures['devices'][0]}" in banner and "72 pairs" in banner
+    assert "alpha (alpha/policy)" in banner and "sft (sft/checkpoint)" in banner
+    assert f"align select_arms: banner\n{banner}" in selection_run.stderr
+
+
+def test_policies_scored_at_different_precisions_are_refused_by_name():
+    def scored(compute: str) -> paired.PolicyScores:
+        record = {"compute": compute, "master": "float32", "reduce": "float32", "loss": "float32"}
+        return paired.PolicyScores(np.zeros(2), np.zeros(2), [1], [True], record)
+
+    same = {"alpha": scored("float32"), sel.SFT: scored("float32")}
+    assert paired.shared_precision(same) == same["alpha"].precision
+    mixed = {"alpha": scored("float32"), "beta": scored("bfloat16"), sel.SFT: scored("float32")}
+    with pytest.raises(
+        ConfigError, match=r"\['beta'\] were scored at another precision than alpha"
+    ):
+        paired.shared_precision(mixed)
 
 
 def test_the_receipt_records_the_rule_and_the_hashes_of_what_it_read(selection, fabricated_run):
@@ -611,3 +725,27 @@ def test_a_passed_arm_result_without_a_policy_is_refused(tmp_path):
     write_json_atomic(paths.arm("alpha").arm_result, trained_elsewhere)
     with pytest.raises(GateRefused, match="trained from 'other/sft'"):
         sel.arm_result_gate(paths, "alpha", sft)
+
+
+def test_the_stage_with_no_eligible_arm_writes_a_failed_receipt_naming_every_reason(
+    fabricated_run, tmp_path
+):
+    work = tmp_path / "run"
+    shutil.copytree(fabricated_run, work)
+    # The shipped band: the data's chosen responses all end, alpha's generations never do.
+    (work / "selection.toml").write_text(SELECTION_TOML)
+    run = run_select(work)
+    assert run.returncode == 0, run.stderr[-3000:]
+    receipt = read_json(work / "results" / "selection.json")
+    assert receipt["status"] == FAILED
+    decision = receipt["decision"]
+    assert (decision["selected"], decision["branch"]) == (None, "no_eligible_arm")
+    alpha = receipt["arms"]["alpha"]
+    assert alpha["standing"] == sel.INELIGIBLE
+    assert alpha["generation"]["terminated_fraction"] < 0.75
+    assert "below the minimum 0.75" in alpha["reason"]
+    assert receipt["figures"]["generation_band"]["min_terminated_fraction"] == 0.75
+    assert receipt["figures"]["eval_set"]["chosen_responses"]["terminated_fraction"] == 1.0
+    for arm in ARMS:
+        assert arm in decision["excluded"] and arm in decision["reason"]
+    assert "selected None (no_eligible_arm)" in run.stderr

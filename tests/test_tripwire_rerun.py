@@ -1,5 +1,7 @@
-"""End to end on the tiny model: a deliberately high learning rate collapses the chosen
-log-probs, the arm reruns once with the pre-registered response, and the result says so."""
+"""End to end on the tiny model, on a copy of the finished default run: plain DPO at a high
+learning rate loses the end of sequence, the periodic generation wire sees it, the arm reruns
+exactly once with the pre-registered response, and the result records both runs. A rerun
+that fires again ends the stage with exit 5."""
 
 from __future__ import annotations
 
@@ -15,13 +17,19 @@ from align.exit_codes import TRIPWIRE
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
-ARMED = [
-    "--tripwires.collapse=true",
-    "--tripwires.chosen_logp_floor=-0.3",
-    "--tripwires.logps_window=32",
+SHORT = ["--epochs=2", "--lr=2e-3"]
+ONLY_GENERATION = [
+    "--tripwires.collapse=false",
+    "--tripwires.disarmed.collapse=this test watches the generation wire alone",
     "--tripwires.length_drift=false",
-    "--epochs=2",
-    "--lr=2e-3",
+    "--tripwires.disarmed.length_drift=this test watches the generation wire alone",
+    "--tripwires.generation_every_steps=5",
+]
+ONLY_COLLAPSE = [
+    "--tripwires.generation=false",
+    "--tripwires.disarmed.generation=this test watches the collapse wire alone",
+    "--tripwires.length_drift=false",
+    "--tripwires.disarmed.length_drift=this test watches the collapse wire alone",
 ]
 
 
@@ -41,7 +49,7 @@ def dpo(work: Path, *overrides: str) -> subprocess.CompletedProcess:
         str(REPO / "workflow/scripts/dpo.py"),
         str(REPO / "config/arms/argilla.toml"),
         "--run.threads=1",
-        *ARMED,
+        *SHORT,
         *overrides,
     ]
     return subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=900)
@@ -51,26 +59,56 @@ def result(work: Path) -> dict:
     return json.loads((work / "results/argilla/arm_result.json").read_text())
 
 
-def test_collapse_triggers_one_rerun_with_the_preregistered_response(work):
-    run = dpo(work)
+def test_the_generation_wire_fires_when_generations_stop_ending_and_the_arm_reruns_once(work):
+    run = dpo(work, *ONLY_GENERATION)
     assert run.returncode == 0, run.stderr[-3000:]
     arm = result(work)
     wire = arm["tripwire"]
+    first, rerun = wire["runs"]  # exactly two runs: the first and the one rerun
+    assert (first["run"], rerun["run"], wire["result_run"]) == ("first", "rerun", "rerun")
     assert wire["rerun"] is True and wire["ended_by_tripwire"] is False
-    assert wire["alarms"][0]["name"] == "chosen_logp_collapse"
-    assert wire["alarms"][0]["value"] < -0.3
-    assert wire["response"] == {"lr": 5e-4, "rpo_alpha": 1.0}
-    assert wire["first_run"]["steps"] < wire["first_run"]["horizon_steps"]
-    assert arm["figures"]["final_config"] == {"lr": 5e-4, "beta": 0.1, "rpo_alpha": 1.0}
+    assert {a["run"] for a in wire["fired"]} == {"first"}
+    assert "generation_terminated" in {a["name"] for a in wire["fired"]}
+    # The first run's generations stopped ending; it ended at the alarm, before its horizon.
+    minimum = first["generation_band"]["min_terminated_fraction"]
+    assert first["generation_checks"][0] == {**first["generation_checks"][0], "step": 0}
+    assert first["generation_checks"][-1]["terminated_fraction"] < minimum
+    assert first["summary"]["steps"] < first["summary"]["horizon_steps"]
+    # The rerun ran the pre-registered response to its horizon with every check in band.
+    assert wire["response"] == {"lr": 5e-4, "rpo_alpha": 0.3}
+    assert (
+        rerun["config"]
+        == arm["figures"]["final_config"]
+        == {
+            "lr": 5e-4,
+            "beta": 0.1,
+            "rpo_alpha": 0.3,
+        }
+    )
+    assert rerun["summary"]["steps"] == rerun["summary"]["horizon_steps"]
+    assert all(c["terminated_fraction"] >= minimum for c in rerun["generation_checks"])
+    assert arm["figures"]["generation"]["inside"] is True
     assert arm["status"] == "PASSED"
-    assert (work / "results/argilla/run/rerun/metrics.jsonl").exists()
+    run_dir = work / "results/argilla/run"
+    assert (run_dir / "rerun/metrics.jsonl").exists() and not (run_dir / "rerun/rerun").exists()
+    assert run.stderr.count("generation check after 0 steps") == 2
 
 
-def test_a_second_alarm_ends_the_stage_with_exit_5_and_a_result_that_says_so(work):
-    run = dpo(work, "--tripwires.response.rpo_alpha=none", "--tripwires.response.lr=2e-3")
+def test_a_second_alarm_ends_the_stage_with_exit_5_after_exactly_one_rerun(work):
+    run = dpo(
+        work, *ONLY_COLLAPSE, "--tripwires.response.rpo_alpha=none", "--tripwires.response.lr=2e-3"
+    )
     assert run.returncode == TRIPWIRE, run.stderr[-3000:]
     assert "tripwire fired again after the pre-registered rerun" in run.stderr
     arm = result(work)
     assert arm["status"] == "FAILED"
-    assert arm["tripwire"]["ended_by_tripwire"] is True
-    assert arm["tripwire"]["rerun_alarms"][0]["name"] == "chosen_logp_collapse"
+    wire = arm["tripwire"]
+    assert wire["ended_by_tripwire"] is True and [r["run"] for r in wire["runs"]] == [
+        "first",
+        "rerun",
+    ]
+    assert [(a["run"], a["name"]) for a in wire["fired"]] == [
+        ("first", "chosen_logp_collapse"),
+        ("rerun", "chosen_logp_collapse"),
+    ]
+    assert all(a["value"] < -1.0 for a in wire["fired"])

@@ -1,4 +1,5 @@
-"""Tripwire detectors on synthetic metric streams, and their union across two ranks."""
+"""Tripwire detectors on synthetic metric streams and generation checks, and their union
+across two ranks."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
-from align.config import TripwireConfig
+from align.config import DisarmedWires, GenerationBandConfig, TripwireConfig
+from align.eval.sanity import GenerationBand
 from align.train.tripwires import ChosenCollapse, LengthDrift, PairStats, Tripwires
 
 
@@ -17,6 +19,18 @@ def stats(logratio, margins, chosen_tokens, rejected_tokens) -> PairStats:
         np.asarray(chosen_tokens, float),
         np.asarray(rejected_tokens, float),
     )
+
+
+BAND = GenerationBand.of(
+    GenerationBandConfig(),
+    {"terminated_fraction": 1.0, "mean_tokens": 18.0},
+    {"terminated_fraction": 1.0, "mean_tokens": 16.0},
+)
+ONLY_GENERATION = TripwireConfig(
+    collapse=False,
+    length_drift=False,
+    disarmed=DisarmedWires(collapse="watched elsewhere", length_drift="watched elsewhere"),
+)
 
 
 def never(flag: bool) -> bool:
@@ -65,7 +79,7 @@ def test_length_drift_ignores_equal_lengths_and_stays_quiet_inside_the_band():
 
 
 def test_tripwires_record_signals_and_bands_per_step():
-    wires = Tripwires.armed(TripwireConfig(logps_window=2, length_window_pairs=2), 0.5)
+    wires = Tripwires.armed(TripwireConfig(logps_window=2, length_window_pairs=2), 0.5, BAND)
     wires.update([stats([-0.1, -0.2], [0.1, 0.2], [3, 4], [4, 3])])
     assert wires.check(step=0, any_rank=never) == []
     assert wires.signals["chosen_logp_collapse"] == [[0, pytest.approx(-0.15)]]
@@ -78,9 +92,14 @@ def _rank(rank: int, world: int, init: str, out) -> None:
     from align.utils.dist import any_rank
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    wires = Tripwires.armed(
-        TripwireConfig(collapse=False, length_window_pairs=4, length_band=0.1), 0.5
+    only_length = TripwireConfig(
+        collapse=False,
+        length_window_pairs=4,
+        length_band=0.1,
+        generation=False,
+        disarmed=DisarmedWires(collapse="not under test", generation="not under test"),
     )
+    wires = Tripwires.armed(only_length, 0.5)
     # Rank 1's pairs all prefer the longer response; rank 0's do so half the time (in band).
     margins = [1.0, -1.0, 1.0, -1.0] if rank == 1 else [1.0, 1.0, -1.0, -1.0]
     wires.update([stats([0] * 4, margins, [9, 4, 9, 4], [4, 9, 4, 9])])
@@ -101,3 +120,37 @@ def test_alarms_are_a_union_across_two_ranks(tmp_path):
     for p in procs:
         p.join(timeout=60)
     assert results == {0: ["length_drift"], 1: ["length_drift"]}
+
+
+def check(terminated: float, tokens: float) -> dict:
+    return {"prompts": 8, "terminated_fraction": terminated, "mean_tokens": tokens}
+
+
+def test_the_generation_wire_fires_when_too_few_generations_end():
+    wires = Tripwires.armed(ONLY_GENERATION, 0.5, BAND)
+    assert wires.check_generation(0, check(1.0, 18.0), never) == []
+    assert wires.check_generation(25, check(0.875, 12.0), never) == []
+    (alarm,) = wires.check_generation(50, check(0.5, 24.0), never)
+    assert (alarm.name, alarm.step, alarm.value) == ("generation_terminated", 50, 0.5)
+    assert alarm.band == [pytest.approx(0.75), 1.0]
+    assert wires.signals["generation_terminated"] == [[0, 1.0], [25, 0.875], [50, 0.5]]
+    assert wires.signals["generation_length"] == [[0, 18.0], [25, 12.0], [50, 24.0]]
+
+
+def test_the_generation_wire_fires_when_generations_run_outside_the_length_band():
+    wires = Tripwires.armed(ONLY_GENERATION, 0.5, BAND)
+    alarms = wires.check_generation(25, check(0.0, 40.0), never)
+    assert [a.name for a in alarms] == ["generation_terminated", "generation_length"]
+    assert wires.bands()["generation_length"] == [pytest.approx(8.0), pytest.approx(27.0)]
+    (short,) = wires.check_generation(50, check(1.0, 2.0), never)
+    assert short.name == "generation_length"
+
+
+def test_an_armed_generation_wire_needs_its_band_and_an_unarmed_one_takes_no_check():
+    with pytest.raises(ValueError, match="no generation band"):
+        Tripwires.armed(ONLY_GENERATION, 0.5)
+    unarmed = TripwireConfig(generation=False, disarmed=DisarmedWires(generation="a test"))
+    wires = Tripwires.armed(unarmed, 0.5)
+    assert "generation_terminated" not in wires.bands()
+    with pytest.raises(ValueError, match="not armed"):
+        wires.check_generation(0, check(1.0, 18.0), never)

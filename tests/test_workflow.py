@@ -70,3 +70,28 @@ def test_dpo_policy_beats_sft_on_held_out_pairs(workdir, arm):
     held = result["figures"]["held_out"]
     assert held["policy"]["n"] == held["sft"]["n"] > 50
     assert held["policy"]["ci_low"] > held["sft"]["accuracy"], held
+
+
+def test_the_default_selects_a_policy_whose_generations_end_and_shows_a_wire_and_its_rerun(
+    workdir,
+):
+    selection = json.loads((workdir / "results" / "selection.json").read_text())
+    selected = selection["decision"]["selected"]
+    assert selection["status"] == PASSED and selected in ARMS, selection["decision"]
+    band = selection["figures"]["generation_band"]
+    generation = selection["figures"]["policies"][selected]["generation"]
+    assert generation["terminated_fraction"] >= band["min_terminated_fraction"], generation
+    low, high = band["mean_tokens"]
+    assert low <= generation["mean_tokens"] <= high, (generation, band)
+    # The default's pre-registrations arm every wire: on at least one arm a wire fires on
+    # the first run, and the one pre-registered rerun, with its generations in band, is
+    # the arm's result.
+    rescued = []
+    for arm in ARMS:
+        result = json.loads((workdir / "results" / arm / "arm_result.json").read_text())
+        wire = result["tripwire"]
+        if wire["rerun"] and wire["result_run"] == "rerun" and not wire["ended_by_tripwire"]:
+            assert {a["run"] for a in wire["fired"]} == {"first"}
+            assert result["figures"]["generation"]["inside"] is True
+            rescued.append(arm)
+    assert rescued, "no arm shows a fired wire and the rerun that became its result"

@@ -21,10 +21,12 @@ from scipy.stats import binomtest
 
 from align.config import ModelConfig, PairedEvalConfig
 from align.data.loader import PairShard
-from align.eval.generation import greedy_generate
+from align.eval.generation import greedy_generate_batch
 from align.eval.preference import implicit_reward_correct, preference_correct, score_pairs
 from align.eval.selection import SFT
 from align.eval.stats import accuracy_summary
+from align.exit_codes import ConfigError
+from align.train.precision import describe as describe_precision
 from align.train.session import load_policy
 from align.utils.dist import DistInfo
 
@@ -198,20 +200,6 @@ def response_lengths(arrays: dict[str, np.ndarray]) -> dict[str, float]:
     }
 
 
-def generation_prompts(arrays: dict[str, np.ndarray], count: int) -> list[list[int]]:
-    """The first `count` distinct prompts of the eval set, in row order."""
-    prompts: list[list[int]] = []
-    seen: set[tuple[int, ...]] = set()
-    for row in range(len(arrays["pair_id"])):
-        prompt = arrays["chosen_ids"][row, : arrays["prompt_len"][row]].tolist()
-        if tuple(prompt) not in seen:
-            seen.add(tuple(prompt))
-            prompts.append(prompt)
-        if len(prompts) == count:
-            break
-    return prompts
-
-
 def score_policy(
     checkpoint: str | Path,
     model_cfg: ModelConfig,
@@ -220,12 +208,14 @@ def score_policy(
     batch_size: int,
     prompts: list[list[int]],
     max_new_tokens: int,
-    eos_id: int,
+    pins: dict[str, Any],
 ) -> PolicyScores:
     """Load one policy, score every pair of `shard` and generate on `prompts`, then free it."""
     model = load_policy(checkpoint, model_cfg, info)
     chosen, rejected = score_pairs(model, shard, batch_size, info, desc=f"score {checkpoint}")
-    generations = [greedy_generate(model, p, max_new_tokens, eos_id) for p in prompts]
+    generations = greedy_generate_batch(
+        model, prompts, max_new_tokens, pins["eos_id"], pins["pad_id"], info.device
+    )
     precision = model.precision
     del model
     gc.collect()
@@ -236,3 +226,39 @@ def score_policy(
         terminated=[done for _, done in generations],
         precision=precision,
     )
+
+
+def shared_precision(scores: Mapping[str, PolicyScores]) -> dict[str, Any]:
+    """The precision, read back from each live model, that every policy was scored at.
+
+    One pre-registered forward path scores every policy, so that the comparison is not
+    confounded by it; a policy read back at another precision is refused, named.
+    """
+    (first, scored), *others = scores.items()
+    record = scored.precision
+    differ = [name for name, s in others if s.precision != record]
+    if differ:
+        raise ConfigError(
+            f"policies {differ} were scored at another precision than {first} "
+            f"({describe_precision(record)}): "
+            + "; ".join(f"{name}: {describe_precision(scores[name].precision)}" for name in differ)
+        )
+    return record
+
+
+def scoring_banner(
+    policies: Mapping[str, str | Path],
+    eval_pairs: int,
+    model_cfg: ModelConfig,
+    precision: Mapping[str, Any],
+    devices: list[str],
+) -> str:
+    """What scores the policies: read off the first live model and the process group."""
+    rows = [
+        ("policies", ", ".join(f"{name} ({path})" for name, path in policies.items())),
+        ("eval set", f"{eval_pairs} pairs"),
+        ("attention", model_cfg.attn_implementation),
+        ("precision", describe_precision(precision)),
+        ("devices", ", ".join(f"{rank}={device}" for rank, device in enumerate(devices))),
+    ]
+    return "\n".join(f"  {name:<15} {value}" for name, value in rows)

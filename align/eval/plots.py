@@ -19,6 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from align.eval.selection import NOT_RECORDED
+from align.paths import FIRST_RUN, RERUN
 from align.receipts import atomic_path
 from align.report import (
     ArmRecord,
@@ -84,12 +85,13 @@ def training_figure(record: ArmRecord) -> Figure:
     title = f"{record.arm}: training"
     if not record.metrics or record.beta is None:
         return message_figure(title, not_measured(record, "training metrics"))
-    fig, axes = new_figure(2, 2)
+    fig, axes = new_figure(2, 3)
     rerun = "; the rerun after a tripwire, first run dotted" if record.first_run_metrics else ""
     fig.suptitle(f"{title} ({len(record.metrics)} optimizer steps, beta {record.beta}{rerun})")
     if record.first_run_metrics:
         plot_run(axes, record.first_run_metrics, record.first_run_beta, first=True)
     plot_run(axes, record.metrics, record.beta, first=False)
+    plot_generation_checks(axes[:, 2], record)
     axes[0, 0].axhline(0.6931, color=REFERENCE_COLOR, ls="--", label="log 2 (policy = reference)")
     axes[0, 0].set(title="DPO loss", xlabel="step")
     axes[0, 1].axhline(0.0, color=REFERENCE_COLOR, ls="--")
@@ -107,9 +109,7 @@ def plot_run(axes, metrics: Sequence[dict[str, Any]], beta: float | None, first:
     A first run that a rerun replaced is dotted, and its reference is left out: the
     reference is the same SFT policy in both runs.
     """
-    color, style, suffix = (
-        (FIRST_RUN_COLOR, ":", " (first run)") if first else (POLICY_COLOR, "-", "")
-    )
+    color, style, suffix = run_style(first)
     axes[0, 0].plot(*series(metrics, "loss"), color=color, ls=style, label=f"loss{suffix}")
     axes[0, 1].plot(*series(metrics, "rewards/margins"), color=color, ls=style)
     for ax, side in ((axes[1, 0], "chosen"), (axes[1, 1], "rejected")):
@@ -122,6 +122,42 @@ def plot_run(axes, metrics: Sequence[dict[str, Any]], beta: float | None, first:
                 color=REFERENCE_COLOR,
                 label="reference (SFT)",
             )
+
+
+def run_style(first: bool) -> tuple[str, str, str]:
+    """Colour, line style and label suffix of a run: a replaced first run is dotted."""
+    return (FIRST_RUN_COLOR, ":", " (first run)") if first else (POLICY_COLOR, "-", "")
+
+
+GENERATION_PANELS = (
+    ("terminated_fraction", "generation_terminated", "greedy generations that end (per check)"),
+    ("mean_tokens", "generation_length", "mean greedy generation length (per check)"),
+)
+
+
+def plot_generation_checks(axes, record: ArmRecord) -> None:
+    """The periodic generation checks of each run, with the band the wire held them to."""
+    bands = record.runs[-1].get("bands", {}) if record.runs else {}
+    for ax, (key, signal, title) in zip(axes, GENERATION_PANELS, strict=True):
+        ax.set(title=title, xlabel="optimizer steps done")
+        checks = [(run, run.get("generation_checks", [])) for run in record.runs]
+        if not any(found for _, found in checks):
+            ax.text(0.5, 0.5, f"generation checks {NOT_RECORDED}", ha="center", va="center")
+            continue
+        for run, found in checks:
+            first = run["run"] == FIRST_RUN and record.rerun
+            color, style, _ = run_style(first)
+            ax.plot(
+                [c["step"] for c in found],
+                [c[key] for c in found],
+                color=color,
+                ls=style,
+                marker="o",
+                label=f"{run['run']} run",
+            )
+        if signal in bands:
+            band_span(ax, bands[signal])
+        ax.legend(fontsize=8)
 
 
 def band_span(ax, band: Sequence[float | None]) -> None:
@@ -154,27 +190,28 @@ def tripwire_figure(record: ArmRecord) -> Figure:
     tripwire = record.tripwire
     if tripwire is None:
         return message_figure(title, not_measured(record, "tripwire signals"))
-    final = tripwire.get("signals") or {}
-    first = tripwire.get("first_run_signals") or {}
+    final_run = RERUN if record.rerun else FIRST_RUN
+    final = record.run_signals(final_run)
+    first = record.run_signals(FIRST_RUN) if record.rerun else {}
     names = list(dict.fromkeys([*final, *first]))
     if not names:
         return message_figure(title, f"no tripwire signal recorded\n({tripwire_cell(record)})")
     fig, grid = new_figure(len(names), 1)
     fig.suptitle(f"{title} ({tripwire_cell(record)})")
     final_label = "rerun" if record.rerun else "run"
+    bands = record.runs[-1].get("bands", {})
     for ax, name in zip(grid[:, 0], names, strict=True):
-        if name in first:
+        if first.get(name):
             ax.plot(
                 *zip(*first[name], strict=True), color=REFERENCE_COLOR, ls=":", label="first run"
             )
             mark_alarms(ax, [a for a in record.first_run_alarms if a["name"] == name], "alarm")
-        if name in final:
+        if final.get(name):
             ax.plot(*zip(*final[name], strict=True), color=POLICY_COLOR, label=final_label)
             alarms = [a for a in record.final_run_alarms if a["name"] == name]
             mark_alarms(ax, alarms, f"alarm ({final_label})")
-        band = tripwire.get("bands", {}).get(name)
-        if band is not None:
-            band_span(ax, band)
+        if name in bands:
+            band_span(ax, bands[name])
         ax.set(title=name, xlabel="step")
         ax.legend(fontsize=8)
     return fig

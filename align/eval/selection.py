@@ -4,8 +4,9 @@ Owns the gates on the selection's inputs (the SFT gate's checkpoint, the manifes
 held-out shards, arm results trained from that checkpoint whose policies still hash
 as recorded), the standing of each arm, and the pre-registered rule with the reason
 for its decision. A descoped arm was never measured; a tripwire-ended or failed arm
-was measured badly; the two are recorded apart and neither can be selected.
-Imports nothing heavy (no torch, no numpy).
+was measured badly; an arm whose greedy generations leave the pre-registered band
+(align.eval.sanity) is ineligible however well it ranks pairs. They are recorded
+apart and none can be selected. Imports nothing heavy (no torch, no numpy).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from align.config import SelectionConfig
+from align.config import GenerationBandConfig, SelectionConfig
 from align.data.shards import PAIR_FORMAT, read_metadata
+from align.eval.sanity import GenerationBand, judge
 from align.exit_codes import ConfigError, GateRefused
 from align.model.weights_hash import weights_hash
 from align.paths import RunPaths
@@ -30,6 +32,7 @@ ELIGIBLE = "eligible"
 NEVER_MEASURED = "descoped"
 TRIPWIRE_ENDED = "tripwire_ended"
 FAILED_ARM = "failed"
+INELIGIBLE = "ineligible"
 NOT_RECORDED = "not recorded"
 
 
@@ -159,10 +162,15 @@ def tripwire_record(result: Mapping[str, Any]) -> dict[str, Any] | None:
     return result.get("tripwire")
 
 
+def fired_wires(tripwire: Mapping[str, Any]) -> list[str]:
+    """The names of the signals that fired, over both runs."""
+    return sorted({alarm["name"] for alarm in tripwire.get("fired", [])})
+
+
 def arm_standing(result: Mapping[str, Any]) -> dict[str, Any]:
     """Whether the arm may be selected, and why not: never measured, or measured badly."""
     tripwire = tripwire_record(result)
-    alarms = sorted({alarm["name"] for alarm in tripwire.get("alarms", [])}) if tripwire else []
+    alarms = fired_wires(tripwire) if tripwire else []
     base = {
         "status": result["status"],
         "tripwire": "recorded" if tripwire else NOT_RECORDED,
@@ -195,6 +203,36 @@ def arm_standing(result: Mapping[str, Any]) -> dict[str, Any]:
             f"passed; a tripwire fired ({', '.join(alarms)}) and the pre-registered rerun passed",
         )
     return standing(ELIGIBLE, True, "passed")
+
+
+def generation_band(cfg: GenerationBandConfig, figures: Mapping[str, Any]) -> GenerationBand:
+    """The band of the selection: the SFT policy's greedy generations on the common prompts
+    and the eval set's chosen responses are the references."""
+    sft = figures["policies"][SFT]["generation"]
+    return GenerationBand.of(cfg, sft, figures["eval_set"]["chosen_responses"])
+
+
+def judge_generations(
+    standings: Mapping[str, Mapping[str, Any]],
+    policies: Mapping[str, Mapping[str, Any]],
+    band: GenerationBand,
+) -> dict[str, dict[str, Any]]:
+    """Every scored arm's generations against the band; an eligible arm outside it becomes
+    ineligible, with the figures and the reason. Arms that were not scored are unchanged."""
+    judged = {}
+    for arm, standing in standings.items():
+        out = dict(standing)
+        if arm in policies:
+            verdict = judge(band, policies[arm]["generation"])
+            out["generation"] = verdict
+            if standing["standing"] == ELIGIBLE and not verdict["inside"]:
+                out["standing"] = INELIGIBLE
+                out["reason"] = (
+                    "measured, but its greedy generations leave the pre-registered band: "
+                    + "; ".join(verdict["reasons"])
+                )
+        judged[arm] = out
+    return judged
 
 
 def oriented(comparisons: Sequence[Mapping[str, Any]], a: str, b: str) -> dict[str, Any]:

@@ -12,18 +12,22 @@ import dataclasses
 import shutil
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from align.config import ArmConfig
+from align.config import ArmConfig, DisarmedWires
 from align.data.loader import PairShard
+from align.eval.generation import generation_check, generation_prompts
 from align.eval.preference import implicit_reward_preference, policy_preference, score_pairs
+from align.eval.sanity import GenerationBand, chosen_responses, judge
 from align.exit_codes import ConfigError
 from align.losses.dpo import DPOObjective
-from align.paths import SPLITS
+from align.paths import FIRST_RUN, RERUN, SPLITS
 from align.train.adapters import DpoAdapter
+from align.train.precision import describe as describe_precision
 from align.train.probes import probe_figures
 from align.train.ref_cache import load_ref_cache
 from align.train.session import build_trainer, export_policy, load_policy, start_session
@@ -136,11 +140,7 @@ def banner(cfg: ArmConfig, ctx: GateContext, model, info: DistInfo) -> str:
             f"{ctx.projection['total_mb']:.0f} MiB for {ctx.projection['optimizer']}",
         ),
         ("attention", model.attn_implementation),
-        (
-            "precision",
-            f"compute {model.precision['compute']}, master {model.precision['master']}, "
-            f"reduce {model.precision['reduce']}, loss head {model.precision['loss']}",
-        ),
+        ("precision", describe_precision(model.precision)),
         ("world size", str(info.world_size)),
         (
             "projected wall",
@@ -193,15 +193,75 @@ def with_response(cfg: ArmConfig) -> tuple[ArmConfig, dict[str, Any]]:
     return rerun, response
 
 
-def _train_once(cfg: ArmConfig, ctx: GateContext, run_dir: Path) -> dict[str, Any]:
+@dataclass
+class GenerationSchedule:
+    """The periodic generation check of one run: a fixed held-out prompt set, its cadence,
+    and every check made (after `step` optimizer steps; 0 is the SFT policy, before training)."""
+
+    prompts: list[list[int]]
+    every_steps: int
+    max_new_tokens: int
+    eos_id: int
+    pad_id: int
+    checks: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, cfg: ArmConfig, held: PairShard, pins: dict[str, Any]) -> GenerationSchedule:
+        wires = cfg.tripwires
+        return cls(
+            generation_prompts(held.arrays, wires.generation_prompts),
+            wires.generation_every_steps,
+            wires.generation_max_new_tokens,
+            pins["eos_id"],
+            pins["pad_id"],
+        )
+
+    def due(self, steps_done: int, horizon: int) -> bool:
+        return steps_done % self.every_steps == 0 or steps_done == horizon
+
+    def run(self, model, info: DistInfo, steps_done: int) -> dict[str, Any]:
+        """One check, on every rank together; the same figures come back on each."""
+        check = generation_check(
+            model, self.prompts, self.max_new_tokens, self.eos_id, self.pad_id, info
+        )
+        record = {"step": steps_done, **check.as_dict()}
+        self.checks.append(record)
+        if info.is_main:
+            print(
+                f"align dpo: generation check after {steps_done} steps: "
+                f"{check.terminated_fraction:.3f} of {check.prompts} ended, "
+                f"mean {check.mean_tokens:.1f} tokens",
+                file=sys.stderr,
+                flush=True,
+            )
+        return record
+
+
+def run_record(cfg: ArmConfig) -> dict[str, Any]:
+    """The settings a rerun's response can change, as a run records them."""
+    return {"lr": cfg.optimizer.lr, "beta": cfg.dpo.beta, "rpo_alpha": cfg.dpo.rpo_alpha}
+
+
+def _train_once(cfg: ArmConfig, ctx: GateContext, run_dir: Path, name: str) -> dict[str, Any]:
+    """One training run from the SFT checkpoint; the first alarm ends it."""
     info, shards, refs, model, trainer = _setup(cfg, ctx, run_dir, cfg.trainer)
-    tripwires = Tripwires.armed(cfg.tripwires, chosen_longer_baseline(shards["train"]))
+    schedule, band = None, None
+    if cfg.tripwires.generation:
+        schedule = GenerationSchedule.of(cfg, shards["held"], ctx.entry["pins"])
+        start = schedule.run(model, info, 0)
+        chosen = chosen_responses(shards["held"].arrays, schedule.eos_id)
+        band = GenerationBand.of(cfg.tripwires.generation_band, start, chosen)
+    tripwires = Tripwires.armed(cfg.tripwires, chosen_longer_baseline(shards["train"]), band)
     shown: list[str] = []
+    horizon = len(trainer.source)
 
     def on_step(metrics: dict[str, Any]) -> None:
         tripwires.update(trainer.adapter.pair_stats)
         trainer.adapter.pair_stats.clear()
         alarms = tripwires.check(metrics["step"], any_rank)
+        done = trainer.state.step
+        if schedule is not None and schedule.due(done, horizon):
+            alarms += tripwires.check_generation(done, schedule.run(model, info, done), any_rank)
         if not shown and trainer.state.micro_step >= cfg.trainer.probe_steps:
             shown.append(banner(cfg, ctx, model, info))
             if info.is_main:
@@ -218,24 +278,40 @@ def _train_once(cfg: ArmConfig, ctx: GateContext, run_dir: Path) -> dict[str, An
         "alarms": [],
     }
     try:
+        if schedule is not None:
+            # The SFT policy itself outside the band is an alarm before any training.
+            alarms = tripwires.check_generation(0, schedule.checks[0], any_rank)
+            if alarms:
+                raise TripwireAlarm(alarms)
         run["summary"] = trainer.fit(on_step=on_step)
     except TripwireAlarm as alarm:
         run["alarms"] = [a.as_dict() for a in alarm.alarms]
         run["summary"] = trainer.summary()
         if info.is_main:
-            print(f"align dpo: tripwire fired: {alarm}", file=sys.stderr, flush=True)
-    run["banner"] = shown[0] if shown else None
-    run["signals"], run["bands"] = tripwires.signals, tripwires.bands()
+            print(f"align dpo: {name}: tripwire fired: {alarm}", file=sys.stderr, flush=True)
+    run["banner"], run["band"] = (shown[0] if shown else None), band
+    run["record"] = {
+        "run": name,
+        "config": run_record(cfg),
+        "summary": run["summary"],
+        "alarms": run["alarms"],
+        "signals": tripwires.signals,
+        "bands": tripwires.bands(),
+        "generation_checks": schedule.checks if schedule else [],
+        "generation_band": band.as_dict() if band else None,
+    }
     return run
 
 
 def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]:
     """Train the arm; on an alarm rerun once from SFT with the pre-registered response."""
-    first = _train_once(cfg, ctx, ctx.arm.run_dir)
-    final, final_cfg, response = first, cfg, None
+    first = _train_once(cfg, ctx, ctx.arm.training_run_dir(FIRST_RUN), FIRST_RUN)
+    runs, final, final_cfg, response = [first], first, cfg, None
     if first["alarms"]:
         final_cfg, response = with_response(cfg)
-        final = _train_once(final_cfg, ctx, ctx.arm.run_dir / "rerun")
+        del first["model"]  # the rerun starts again from SFT; only one policy stays in memory
+        final = _train_once(final_cfg, ctx, ctx.arm.training_run_dir(RERUN), RERUN)
+        runs.append(final)
     info, model, held = final["info"], final["model"], final["shards"]["held"]
     eval_bs = cfg.eval.batch_size
     sft_model = load_policy(ctx.checkpoint, cfg.model, info)
@@ -249,27 +325,48 @@ def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]
         "devices": list(info.devices),
         "banner": final["banner"] or first["banner"],
         "training": final["summary"],
-        "final_config": {
-            "lr": final_cfg.optimizer.lr,
-            "beta": final_cfg.dpo.beta,
-            "rpo_alpha": final_cfg.dpo.rpo_alpha,
-        },
+        "final_config": run_record(final_cfg),
         "held_out": {
             "sft": policy_preference(sft_c, sft_r),
             "policy": policy_preference(pol_c, pol_r),
             "policy_implicit_reward": implicit_reward_preference(pol_c, pol_r, ref_c, ref_r),
             "mean_chosen_logp_change": float((pol_c - sft_c).mean()),
         },
+        "generation": policy_generation(final),
     }
-    tripwire = {
-        "alarms": first["alarms"],
-        "rerun": bool(first["alarms"]),
+    return {**figures, "tripwire": tripwire_section(cfg, runs, response)}, info
+
+
+def policy_generation(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The result policy's last generation check judged against its band (None: unarmed)."""
+    checks = run["record"]["generation_checks"]
+    if not checks:
+        return None
+    return {
+        "step": checks[-1]["step"],
+        "prompts": checks[-1]["prompts"],
+        **judge(run["band"], checks[-1]),
+    }
+
+
+def tripwire_section(
+    cfg: ArmConfig, runs: list[dict[str, Any]], response: dict[str, Any] | None
+) -> dict[str, Any]:
+    """Both runs, which one is the result, and every signal that fired, run by run."""
+    records = [run["record"] for run in runs]
+    rerun = len(records) > 1
+    return {
+        "armed": armed_wires(cfg),
+        "disarmed": {k: v for k, v in dataclasses.asdict(cfg.tripwires.disarmed).items() if v},
+        "rerun": rerun,
         "response": response,
-        "first_run": first["summary"] if first["alarms"] else None,
-        "rerun_alarms": final["alarms"] if first["alarms"] else [],
-        "ended_by_tripwire": bool(first["alarms"] and final["alarms"]),
-        "signals": final["signals"],
-        "bands": final["bands"],
-        "first_run_signals": first["signals"] if first["alarms"] else None,
+        "result_run": records[-1]["run"],
+        "ended_by_tripwire": rerun and bool(records[-1]["alarms"]),
+        "fired": [{"run": r["run"], **a} for r in records for a in r["alarms"]],
+        "runs": records,
     }
-    return {**figures, "tripwire": tripwire}, info
+
+
+def armed_wires(cfg: ArmConfig) -> list[str]:
+    wires = [f.name for f in dataclasses.fields(DisarmedWires)]
+    return [wire for wire in wires if getattr(cfg.tripwires, wire)]

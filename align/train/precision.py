@@ -135,6 +135,14 @@ def check_read_back(found: dict[str, object], expected: Precision) -> None:
         )
 
 
+def describe(record: dict) -> str:
+    """A precision record (`verify_precision`'s) in one line, as the stages' banners print it."""
+    return (
+        f"compute {record['compute']}, master {record['master']}, "
+        f"reduce {record['reduce']}, loss head {record['loss']}"
+    )
+
+
 def verify_precision(model: nn.Module, expected: Precision, device: torch.device) -> dict:
     """Read back the live dtypes, refuse any difference, and return the record for receipts."""
     found = read_back(model, device)

@@ -13,7 +13,7 @@ from typing import Any
 from align.config import SftConfig
 from align.data.loader import SftShard
 from align.data.sft import tokenize_sft_splits
-from align.eval.generation import greedy_generate
+from align.eval.generation import greedy_generate_batch
 from align.eval.nll import mean_nll
 from align.model.tokenizer import load_tokenizer
 from align.paths import RunPaths
@@ -58,18 +58,22 @@ def evaluate_sft_gate(cfg: SftConfig, checkpoint: Path, run_dir: Path) -> dict[s
     held = SftShard(tokenize_sft_splits(cfg.data, tokenizer)["held"])
     model = load_policy(checkpoint, cfg.model, info)
     nll = mean_nll(model, held, cfg.eval.batch_size, info)
-    generations = []
     a = held.arrays
-    for row in range(min(cfg.gate.generation_prompts, len(held))):
-        prompt = a["ids"][row, : a["prompt_len"][row]].tolist()
-        new, terminated = greedy_generate(model, prompt, cfg.gate.max_new_tokens, tokenizer.eos_id)
-        generations.append(
-            {
-                "prompt": tokenizer.decode(prompt),
-                "text": tokenizer.decode(new),
-                "terminated": terminated,
-            }
-        )
+    prompts = [
+        a["ids"][row, : a["prompt_len"][row]].tolist()
+        for row in range(min(cfg.gate.generation_prompts, len(held)))
+    ]
+    decoded = greedy_generate_batch(
+        model, prompts, cfg.gate.max_new_tokens, tokenizer.eos_id, tokenizer.pad_id, info.device
+    )
+    generations = [
+        {
+            "prompt": tokenizer.decode(prompt),
+            "text": tokenizer.decode(new),
+            "terminated": terminated,
+        }
+        for prompt, (new, terminated) in zip(prompts, decoded, strict=True)
+    ]
     terminated = sum(g["terminated"] for g in generations) / len(generations)
     non_empty = all(g["text"].strip() for g in generations)
     checks = {

@@ -5,19 +5,24 @@
   windowed margin is above where it started;
 - length drift: over the last `length_window_pairs` pairs, the fraction of pairs
   whose implicit reward prefers the longer response leaves baseline +- band; it can
-  fire only once the window is full.
+  fire only once the window is full;
+- generation: the periodic greedy generations of a fixed held-out prompt set (figures
+  already summed over ranks) leave the band of align.eval.sanity: too few end
+  (`generation_terminated`) or their mean length leaves its band (`generation_length`).
 Each rank sees its own pairs; alarms are a union across ranks, so all ranks decide alike.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from align.config import TripwireConfig
+from align.eval.sanity import LENGTH, TERMINATED, GenerationBand
 
 
 @dataclass
@@ -96,15 +101,45 @@ class LengthDrift:
         return [self.baseline - self.width, self.baseline + self.width]
 
 
+class GenerationWire:
+    """The periodic generation check against its band: one signal and alarm per figure."""
+
+    terminated = "generation_terminated"
+    length = "generation_length"
+
+    def __init__(self, band: GenerationBand):
+        self.band = band
+
+    def judge(self, check: Mapping[str, float]) -> list[tuple[str, float, bool]]:
+        """(signal, value, inside its band) for the terminated fraction and the mean length."""
+        return [
+            (self.terminated, check[TERMINATED], self.band.terminated_ok(check[TERMINATED])),
+            (self.length, check[LENGTH], self.band.length_ok(check[LENGTH])),
+        ]
+
+    def bands(self) -> dict[str, list[float]]:
+        return {
+            self.terminated: [self.band.min_terminated, 1.0],
+            self.length: [self.band.length_low, self.band.length_high],
+        }
+
+
 @dataclass
 class Tripwires:
     """The armed detectors and the signal history the report plots."""
 
     detectors: list = field(default_factory=list)
     signals: dict[str, list[list[float]]] = field(default_factory=dict)
+    generation: GenerationWire | None = None
 
     @classmethod
-    def armed(cls, cfg: TripwireConfig, chosen_longer_baseline: float) -> Tripwires:
+    def armed(
+        cls,
+        cfg: TripwireConfig,
+        chosen_longer_baseline: float,
+        generation_band: GenerationBand | None = None,
+    ) -> Tripwires:
+        """`generation_band` is required when the generation wire is armed."""
         detectors = []
         if cfg.collapse:
             detectors.append(ChosenCollapse(cfg.logps_window, cfg.chosen_logp_floor))
@@ -112,7 +147,14 @@ class Tripwires:
             detectors.append(
                 LengthDrift(cfg.length_window_pairs, chosen_longer_baseline, cfg.length_band)
             )
-        return cls(detectors, {d.name: [] for d in detectors})
+        signals = {d.name: [] for d in detectors}
+        generation = None
+        if cfg.generation:
+            if generation_band is None:
+                raise ValueError("the generation wire is armed but no generation band was given")
+            generation = GenerationWire(generation_band)
+            signals.update({name: [] for name in generation.bands()})
+        return cls(detectors, signals, generation)
 
     def update(self, stats: list[PairStats]) -> None:
         for batch in stats:
@@ -137,5 +179,18 @@ class Tripwires:
                 )
         return alarms
 
+    def check_generation(self, step: int, check: Mapping[str, float], any_rank) -> list[Alarm]:
+        """Alarms of a generation check after `step` optimizer steps (0: before training)."""
+        if self.generation is None:
+            raise ValueError("a generation check was given but the generation wire is not armed")
+        alarms = []
+        bands = self.generation.bands()
+        for name, value, inside in self.generation.judge(check):
+            self.signals[name].append([step, value])
+            if any_rank(not inside):
+                alarms.append(Alarm(name, step, value, bands[name]))
+        return alarms
+
     def bands(self) -> dict[str, list[float]]:
-        return {d.name: d.band() for d in self.detectors}
+        bands = {d.name: d.band() for d in self.detectors}
+        return {**bands, **(self.generation.bands() if self.generation else {})}

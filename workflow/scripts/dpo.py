@@ -7,7 +7,7 @@ import sys
 
 from align.config import ArmConfig, load_config, to_dict
 from align.exit_codes import TripwireFired, run_with_exit_codes
-from align.paths import RunPaths
+from align.paths import FIRST_RUN, RERUN, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, hash_file
 from align.stage import Stage, is_main_process, parse_stage_args
 from align.train.stage_gates import GateContext, run_gates
@@ -108,7 +108,7 @@ def write_arm_result(loaded, ctx: GateContext, stage: Stage, out, common: dict) 
             f"align dpo: arm {loaded.cfg.arm} held-out preference accuracy sft {held['sft']['accuracy']:.3f} -> "
             f"policy {held['policy']['accuracy']:.3f} [{held['policy']['ci_low']:.3f}, {held['policy']['ci_high']:.3f}]"
             + (
-                f"; rerun with {tripwire['response']} after {tripwire['alarms']}"
+                f"; rerun with {tripwire['response']} after {fired(tripwire, FIRST_RUN)}"
                 if tripwire["rerun"]
                 else ""
             ),
@@ -116,8 +116,17 @@ def write_arm_result(loaded, ctx: GateContext, stage: Stage, out, common: dict) 
         )
     if ended:
         raise TripwireFired(
-            f"arm {loaded.cfg.arm}: tripwire fired again after the pre-registered rerun: {tripwire['rerun_alarms']}"
+            f"arm {loaded.cfg.arm}: tripwire fired again after the pre-registered rerun: "
+            f"{fired(tripwire, RERUN)}"
         )
+
+
+def fired(tripwire: dict, run: str) -> str:
+    """The alarms of one training run, as the log line names them."""
+    alarms = [a for a in tripwire["fired"] if a["run"] == run]
+    return ", ".join(
+        f"{a['name']} at step {a['step']} ({a['value']:.4g} outside {a['band']})" for a in alarms
+    )
 
 
 if __name__ == "__main__":

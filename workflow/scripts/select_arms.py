@@ -27,6 +27,8 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
     from align.data.loader import PairShard
     from align.data.shards import PAIR_FORMAT, read_shard, write_shard
     from align.eval import paired
+    from align.eval.generation import generation_prompts
+    from align.eval.sanity import chosen_responses
     from align.train.session import start_session
 
     work = sel.SelectionPaths.of(paths)
@@ -36,9 +38,10 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
     )
     write_shard(work.eval_set, arrays, PAIR_FORMAT, split="eval", sources=sorted(sources))
     shard = PairShard(work.eval_set)
-    prompts = paired.generation_prompts(arrays, cfg.generation.prompts)
-    scores = {
-        name: paired.score_policy(
+    prompts = generation_prompts(arrays, cfg.generation.prompts)
+    scores, banner = {}, None
+    for name, checkpoint in policies.items():
+        scores[name] = paired.score_policy(
             checkpoint,
             cfg.model,
             info,
@@ -46,10 +49,17 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
             cfg.eval.batch_size,
             prompts,
             cfg.generation.max_new_tokens,
-            pins["eos_id"],
+            pins,
         )
-        for name, checkpoint in policies.items()
-    }
+        if banner is None:
+            # Policies as receipts name them: relative to the results directory inside it.
+            named = {policy: paths.recorded(path) for policy, path in policies.items()}
+            banner = paired.scoring_banner(
+                named, len(shard), cfg.model, scores[name].precision, list(info.devices)
+            )
+            if info.is_main:
+                print(f"align select_arms: banner\n{banner}", file=sys.stderr, flush=True)
+    precision = paired.shared_precision(scores)
     figures = paired.policy_figures(scores, cfg.paired, cfg.generation.max_new_tokens)
     eval_set = {
         "name": cfg.paired.eval_set,
@@ -57,8 +67,10 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
         "hash": hash_file(work.eval_set),
         **union,
         "response_tokens": paired.response_lengths(arrays),
+        "chosen_responses": chosen_responses(arrays, pins["eos_id"]),
     }
-    return {"eval_set": eval_set, **figures, "devices": list(info.devices)}
+    placed = {"precision": precision, "devices": list(info.devices), "banner": banner}
+    return {"eval_set": eval_set, **figures, **placed}
 
 
 def main() -> None:
@@ -121,6 +133,9 @@ def main() -> None:
     from align.utils.dist import destroy_distributed
 
     figures = score_everything(cfg, paths, sources, manifest["pins"], policies)
+    band = sel.generation_band(cfg.generation.band, figures)
+    standings = sel.judge_generations(standings, figures["policies"], band)
+    figures["generation_band"] = band.as_dict()
     decision = sel.decide(cfg.rule, cfg.default_arm, standings, figures["comparisons"])
     recorded = paths.recorded
     inputs = {
