@@ -90,7 +90,7 @@ def test_failed_sft_gate_is_refused_first(run_copy):
 def test_a_checkpoint_without_weights_is_refused_with_exit_3_naming_the_file(run_copy):
     (run_copy / "results/sft/checkpoint/model.safetensors").unlink()
     run, _ = refuse(run_copy)
-    assert_refused(run, "sft_gate", "is not a checkpoint", "no model.safetensors")
+    assert_refused(run, "sft_gate", "is not a checkpoint directory", "missing model.safetensors")
     assert "Traceback" not in run.stderr
 
 

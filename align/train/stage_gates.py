@@ -173,12 +173,10 @@ class GateContext:
 def trusted_checkpoint_hash(receipt: dict[str, Any]) -> str:
     """The gate receipt's weight hash while the weight files are unchanged; else hash again."""
     checkpoint = receipt["checkpoint"]
-    try:
-        if receipt.get("checkpoint_fingerprint") == weights_fingerprint(checkpoint):
-            return receipt["checkpoint_hash"]
-        found = weights_hash(checkpoint)
-    except (FileNotFoundError, ValueError) as err:
-        raise GateRefused("sft_gate", f"{checkpoint} is not a checkpoint: {err}") from err
+    require_checkpoint("sft_gate", checkpoint)
+    if receipt.get("checkpoint_fingerprint") == weights_fingerprint(checkpoint):
+        return receipt["checkpoint_hash"]
+    found = weights_hash(checkpoint)
     if found != receipt["checkpoint_hash"]:
         raise GateRefused(
             "sft_gate",
