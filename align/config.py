@@ -145,6 +145,7 @@ class TrainerConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     resume: bool = False
+    # The job's budget, counted from the stage's start (a rerun spends the same budget).
     max_wall_seconds: float = 0.0
     max_micro_steps: int = 0
     probe_steps: int = 20

@@ -184,6 +184,11 @@ class ArmPaths:
         return self.root / "run"
 
     @property
+    def stop_marker(self) -> Path:
+        """Where a stopped dpo stage, in either of its runs, tells its launcher to exit 75."""
+        return self.run_dir / "stopped.json"
+
+    @property
     def metrics(self) -> Path:
         return self.run_dir / "metrics.jsonl"
 

@@ -168,7 +168,7 @@ def per_rank_threads(ranks):
 
 
 def arm_stop_marker(wildcards):
-    return PATHS.arm(wildcards.arm).run_dir / "stopped.json"
+    return PATHS.arm(wildcards.arm).stop_marker
 
 
 # ---------------------------------------------------------------------------

@@ -1,17 +1,17 @@
 """The workflow on a real Slurm cluster (two nodes on this host, .ci/slurm_up.sh): what each
 job asked for, and how its stops end.
 
-`snakemake --executor slurm arms` runs one arm of a reduced tiny config; then the submitted
-jobs are read back from the controller (`scontrol show job`) and their requested memory,
-time, CPUs, GPUs and partition are checked against what the receipts demanded. The first
-SFT attempt is capped at one trainer second, so it stops at a step boundary and exits 75;
-the first DPO attempt gets a one-minute time limit, so Slurm's pre-timeout SIGTERM stops
-it; each retry must resume from the checkpoint its first attempt left. In a copy of that
-run the same arm trains on two nodes of one rank each: its job spans both slurmd, is sent
-SIGTERM with scancel while it trains, and its retry ends with the same weights as the
-one-node run. A last run asks for CUDA, which these nodes cannot give: its job must still
-have requested every GPU in one task on the GPU partition, and the stage must refuse
-rather than fall back to the CPU.
+`snakemake --executor slurm arms` runs one arm of a reduced tiny config whose site has one
+GPU (rank) per node, so every stage of two ranks is a two-node job of one task per node.
+The submitted jobs are read back from the controller (`scontrol show job`) and their
+requested nodes, tasks, memory, time, CPUs, GPUs and partition are checked against what the
+receipts demanded. The first SFT attempt is capped at one trainer second, so it stops at a
+step boundary and exits 75. The first DPO attempt gets a one-minute time limit, so Slurm's
+pre-timeout SIGTERM stops it; its retry is sent SIGTERM with scancel while it trains; the
+third attempt must end with the same weights as an uninterrupted one-node run of the arm.
+A last run asks for CUDA, which these nodes cannot give: its job must still have requested
+every GPU in one task on the GPU partition, and the stage must refuse rather than fall back
+to the CPU.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ class SlurmRun:
     result: subprocess.CompletedProcess
     jobs: list[dict[str, str]]
     seconds: float
+    # The second DPO attempt's log when scancel stopped it.
+    second_dpo_log: str = ""
 
     def output(self) -> str:
         return self.result.stdout[-6000:] + self.result.stderr[-6000:]
@@ -118,6 +120,9 @@ def reduced_config(work: Path, **overrides) -> Path:
     arms.mkdir(exist_ok=True)
     arm_toml = (REPO / "config" / "arms" / f"{ARM}.toml").read_text()
     arm_toml = re.sub(r"(?m)^epochs = \d+$", f"epochs = {ARM_EPOCHS}", arm_toml)
+    device = overrides.pop("arm_device", None)
+    if device is not None:
+        arm_toml += f'\n[run]\ndevice = "{device}"\n'
     (arms / f"{ARM}.toml").write_text(arm_toml)
     sft_toml = (REPO / "config" / "sft.toml").read_text()
     sft_toml = re.sub(r"(?m)^epochs = \d+$", "epochs = 1", sft_toml)
@@ -125,9 +130,6 @@ def reduced_config(work: Path, **overrides) -> Path:
     sft_toml = re.sub(
         r"(?m)^min_terminated_fraction = .*$", "min_terminated_fraction = 0.0", sft_toml
     )
-    device = overrides.pop("sft_device", None)
-    if device is not None:
-        sft_toml += f'\n[run]\ndevice = "{device}"\n'
     (work / "sft.toml").write_text(sft_toml)
     config = {
         "arms": [ARM],
@@ -183,15 +185,61 @@ def jobs_of(work: Path) -> list[dict[str, str]]:
     return sorted(mine, key=lambda job: int(job["JobId"]))
 
 
+def dpo_log(work: Path) -> Path:
+    return work / RunPaths.of("results").log("dpo", ARM)
+
+
+def wait_until_resumed_training(work: Path, proc: subprocess.Popen, timeout_s: float) -> dict:
+    """The second dpo job of `work` once it has resumed and logged two optimizer steps."""
+    metrics = work / RunPaths.of("results").arm(ARM).run_dir / "metrics.jsonl"
+    deadline, logged = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline and proc.poll() is None:
+        attempts = [j for j in jobs_of(work) if j["Comment"].startswith("rule_dpo")]
+        running = len(attempts) == 2 and attempts[1]["JobState"] == "RUNNING"
+        if running and "resumed from" in read_text(dpo_log(work)):
+            lines = len(read_text(metrics).splitlines())
+            logged = lines if logged is None else logged
+            if lines >= logged + 2:
+                return attempts[1]
+        time.sleep(0.5)
+    raise AssertionError(
+        f"the second dpo job of {work} never trained (snakemake exit {proc.poll()})"
+    )
+
+
+def read_text(path: Path) -> str:
+    return path.read_text() if path.is_file() else ""
+
+
 @pytest.fixture(scope="module")
 def slurm_run(cluster, tmp_path_factory) -> SlurmRun:
+    """`arms` on Slurm with one rank per node; the second DPO attempt gets scancel's SIGTERM
+    after two optimizer steps."""
     work = tmp_path_factory.mktemp("slurm").resolve()
     config = reduced_config(
-        work, first_attempt_wall_s={"sft": 1}, first_attempt_runtime_min={"dpo": 1}
+        work,
+        gpus_per_node=1,
+        first_attempt_wall_s={"sft": 1},
+        first_attempt_runtime_min={"dpo": 1},
+    )
+    command, env = snakemake_command(
+        work, *slurm_args(config, "--retries", "2", "arms"), timeout=RUN_TIMEOUT_S
     )
     started = time.monotonic()
-    result = snakemake_on_slurm(work, config, "--retries", "2", "arms")
-    run = SlurmRun(work, result, jobs_of(work), time.monotonic() - started)
+    proc = subprocess.Popen(
+        command, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        job = wait_until_resumed_training(work, proc, RUN_TIMEOUT_S)
+        resumed = read_text(dpo_log(work))
+        subprocess.run(["scancel", "--signal=TERM", job["JobId"]], check=True, timeout=30)
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S + 60)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.communicate(timeout=60)
+    result = subprocess.CompletedProcess(command, proc.returncode, out, "")
+    run = SlurmRun(work, result, jobs_of(work), time.monotonic() - started, resumed)
     print(f"slurm run: {run.seconds:.0f} s, {len(run.jobs)} jobs", file=sys.stderr)
     assert result.returncode == 0, run.output()
     return run
@@ -264,21 +312,27 @@ CLUSTER_RULES = (
     "select_arms",
 )
 TORCH_RULES = CLUSTER_RULES[1:]
+# The stages of two ranks, each a job of one task on each of the two nodes.
+TWO_NODE_RULES = ("sft", "ref_cache", "path_bias", "probe", "dpo")
+
+
+def rule_of(job: dict[str, str]) -> str:
+    return job["Comment"].split("_wildcards_")[0].removeprefix("rule_")
 
 
 def test_cluster_rules_are_slurm_jobs_and_bookkeeping_stays_local(slurm_run):
-    rules = {job["Comment"].split("_wildcards_")[0].removeprefix("rule_") for job in slurm_run.jobs}
-    assert rules == set(CLUSTER_RULES), slurm_run.jobs
+    assert {rule_of(job) for job in slurm_run.jobs} == set(CLUSTER_RULES), slurm_run.jobs
     for job in slurm_run.jobs:
         assert job["JobState"] in ("COMPLETED", "FAILED"), job
 
 
-def test_cpu_jobs_take_one_task_no_gpu_and_the_cpu_partition(slurm_run):
+def test_cpu_jobs_take_the_cpu_partition_no_gpu_and_one_task_per_node(slurm_run):
     for job in slurm_run.jobs:
-        rule = job["Comment"].split("_wildcards_")[0].removeprefix("rule_")
+        rule = rule_of(job)
+        nodes = "2" if rule in TWO_NODE_RULES else "1"
         assert job["Partition"] == "cpu", job
         assert gpus(job) == 0, job
-        assert job["NumTasks"] == "1" and job["NumNodes"] == "1", job
+        assert job["NumNodes"] == nodes and job["NumTasks"] == nodes, job
         assert int(job["CPUs/Task"]) == (threads() if rule in TORCH_RULES else 1), job
 
 
@@ -293,16 +347,18 @@ def test_untimed_jobs_take_the_configured_time(slurm_run):
     assert minutes(second_sft["TimeLimit"]) == 2 * JOB_RESOURCES["sft_runtime_min"], second_sft
 
 
-def projected_request(stage: str, cfg, checkpoint: Path) -> int:
-    """The memory a model-loading job must ask for: its stage's projection plus margins."""
+def projected_request(stage: str, cfg, checkpoint: Path, nodes: int) -> int:
+    """The memory a model-loading job must ask for: its stage's projection on its fullest
+    node plus margins."""
     from align.train.memory import job_shape, projected_job_rss
 
-    projection = projected_job_rss(job_shape(stage, cfg), checkpoint, shard_bytes=0)
+    projection = projected_job_rss(job_shape(stage, cfg, nodes), checkpoint, shard_bytes=0)
     return rss_request(projection["node_mb"], attempt=1)
 
 
 def test_model_loading_jobs_ask_for_their_stage_projection(slurm_run):
     from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
+    from align.train.memory import job_shape, projected_job_rss
 
     work = slurm_run.workdir
     arm = load_config(work / "arms" / f"{ARM}.toml", ArmConfig).cfg
@@ -310,19 +366,17 @@ def test_model_loading_jobs_ask_for_their_stage_projection(slurm_run):
     selection = load_config(REPO / "config" / "selection.toml", SelectionConfig).cfg
     base, checkpoint = work / "resources/tiny/base", work / "results/sft/checkpoint"
     expected = {
-        "sft": projected_request("sft", sft, base),
-        "sft_gate": projected_request("sft_gate", sft, checkpoint),
-        "ref_cache": projected_request("ref_cache", arm, checkpoint),
-        "path_bias": projected_request("path_bias", arm, checkpoint),
-        "select_arms": projected_request("select_arms", selection, checkpoint),
+        "sft": projected_request("sft", sft, base, nodes=2),
+        "sft_gate": projected_request("sft_gate", sft, checkpoint, nodes=1),
+        "ref_cache": projected_request("ref_cache", arm, checkpoint, nodes=2),
+        "path_bias": projected_request("path_bias", arm, checkpoint, nodes=2),
+        "select_arms": projected_request("select_arms", selection, checkpoint, nodes=1),
     }
     for rule, request in expected.items():
         job = slurm_run.of_rule(rule)[0]
         assert memory_mb(job["MinMemoryNode"]) == request, (rule, job)
     # Rank 0's staging of the base model and the exported policy are in the SFT request.
-    from align.train.memory import job_shape, projected_job_rss
-
-    sft_terms = projected_job_rss(job_shape("sft", sft), base, 0)["terms_mb"]
+    sft_terms = projected_job_rss(job_shape("sft", sft, 2), base, 0)["terms_mb"]
     assert {"load_staging_rank0", "export_gather_rank0"} <= sft_terms.keys()
 
 
@@ -345,58 +399,72 @@ def test_probe_memory_is_the_preflight_projection_plus_margin(slurm_run):
 
 def test_dpo_memory_and_time_follow_the_receipts_and_scale_with_the_attempt(slurm_run):
     paths = RunPaths.of("results").arm(ARM)
-    preflight = slurm_run.receipt(paths.preflight)["figures"]
     probe = slurm_run.receipt(paths.probe)
-    rss = max(preflight["node_mb"], probe["figures"]["peak_rss_mb"])
+    assert probe["projection"]["nodes"] == 2, probe["projection"]
+    # The fullest node: the projection, or the probe's measured peak shared by two nodes.
+    rss = max(probe["projection"]["node_mb"], probe["figures"]["peak_rss_mb"] / 2)
     reserve = JOB_RESOURCES["startup_s"] + probe["figures"]["checkpoint_s"]
     projected = probe["figures"]["projected_wall_s"] * JOB_RESOURCES["runtime_margin"]
     runtime = math.ceil((projected + reserve) / 60)
     attempts = slurm_run.of_rule("dpo")
-    assert len(attempts) == 2, attempts
+    assert len(attempts) == 3, attempts
     for attempt, job in enumerate(attempts, start=1):
         assert memory_mb(job["MinMemoryNode"]) == rss_request(rss, attempt), (job, rss)
         limit = min(runtime, 1) if attempt == 1 else runtime * attempt
         assert minutes(job["TimeLimit"]) == limit, (job, probe["figures"])
 
 
-@pytest.mark.parametrize("rule", ["sft", "dpo"])
-def test_a_stopped_first_attempt_is_retried_and_resumes(slurm_run, rule):
-    first, second = slurm_run.of_rule(rule)
+def test_a_stopped_sft_attempt_is_retried_and_resumes(slurm_run):
+    first, second = slurm_run.of_rule("sft")
     assert first["JobState"] == "FAILED" and second["JobState"] == "COMPLETED", (first, second)
-    name = ARM if rule == "dpo" else "all"
-    log = (slurm_run.workdir / RunPaths.of("results").log(rule, name)).read_text()
+    log = (slurm_run.workdir / RunPaths.of("results").log("sft", "all")).read_text()
     assert "--trainer.resume=true" in log and "resumed from" in log, log[-3000:]
-
-
-def test_the_resumed_dpo_run_records_where_it_resumed(slurm_run):
-    result = slurm_run.receipt(RunPaths.of("results").arm(ARM).arm_result)
-    training = result["figures"]["training"]
-    assert training["resumed_from"], training
-    assert training["steps"] == training["horizon_steps"], training
-    assert result["overrides"]["trainer.resume"] is True, result["overrides"]
 
 
 def test_the_dpo_job_at_its_time_limit_saved_and_exited_75(slurm_run):
     """The first attempt's one-minute limit: Slurm's pre-timeout SIGTERM reached the
-    launcher, every rank stopped at a step boundary with a checkpoint and exited 75 (the
-    stop marker it leaves then is what the retry records as `resumed_after`)."""
-    first, _ = slurm_run.of_rule("dpo")
+    launchers, every rank stopped at a step boundary with a checkpoint and exited 75, and
+    the second attempt resumed from that checkpoint."""
+    first = slurm_run.of_rule("dpo")[0]
     assert first["JobState"] == "FAILED" and minutes(first["TimeLimit"]) == 1, first
-    training = slurm_run.receipt(RunPaths.of("results").arm(ARM).arm_result)["figures"]["training"]
+    assert first["ExitCode"] == "75:0", first
+    log = slurm_run.second_dpo_log
+    assert "--trainer.resume=true" in log and "resumed from" in log, log[-3000:]
+
+
+def test_scancel_sigterm_to_a_two_node_job_saves_exits_75_and_the_retry_resumes(slurm_run):
+    _, second, third = slurm_run.of_rule("dpo")
+    assert second["JobState"] == "FAILED" and second["ExitCode"] == "75:0", second
+    assert third["JobState"] == "COMPLETED", third
+    result = slurm_run.receipt(RunPaths.of("results").arm(ARM).arm_result)
+    training = result["figures"]["training"]
     assert training["resumed_after"]["reason"] == "signal SIGTERM", training
     assert training["resumed_from"] == training["resumed_after"]["checkpoint"], training
+    assert training["steps"] == training["horizon_steps"], training
+    assert result["overrides"]["trainer.resume"] is True, result["overrides"]
+    # The second attempt went on from the first stop, so the last resume is a later step.
+    first_stop = int(re.search(r"resumed from \S+ at step (\d+)", slurm_run.second_dpo_log)[1])
+    assert training["resumed_after"]["step"] > first_stop, (training, first_stop)
 
 
 def test_the_trainer_budget_is_the_time_limit_less_the_reserve(slurm_run):
     result = slurm_run.receipt(RunPaths.of("results").arm(ARM).arm_result)
-    _, second = slurm_run.of_rule("dpo")
+    last = slurm_run.of_rule("dpo")[-1]
     probe = slurm_run.receipt(RunPaths.of("results").arm(ARM).probe)
     reserve = JOB_RESOURCES["startup_s"] + probe["figures"]["checkpoint_s"]
-    expected = math.floor(minutes(second["TimeLimit"]) * 60 - reserve)
+    expected = math.floor(minutes(last["TimeLimit"]) * 60 - reserve)
     assert result["overrides"]["trainer.max_wall_seconds"] == expected, result["overrides"]
 
 
-# --- the same arm on two nodes ----------------------------------------------------------
+def test_the_ranks_ran_on_two_nodes_and_the_receipts_say_where(slurm_run):
+    paths = RunPaths.of("results").arm(ARM)
+    for receipt in (paths.probe, paths.arm_result):
+        devices = slurm_run.receipt(receipt)["figures"]["devices"]
+        hosts = [device.split(":")[0] for device in devices]
+        assert len(devices) == 2 and len(set(hosts)) == 2, devices
+
+
+# --- the same arm on one node, uninterrupted ----------------------------------------------
 
 
 def copy_of_run(run: SlurmRun, work: Path) -> None:
@@ -413,116 +481,57 @@ def date_configs_before_results(work: Path) -> None:
         os.utime(config, (oldest - 60, oldest - 60))
 
 
-def wait_until_training(work: Path, proc: subprocess.Popen, timeout_s: float = 600) -> dict:
-    """The dpo job of `work` once its ranks have logged two optimizer steps."""
-    metrics = work / RunPaths.of("results").arm(ARM).run_dir / "metrics.jsonl"
-    deadline, running_since = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline and proc.poll() is None:
-        job = next((j for j in jobs_of(work) if j["Comment"].startswith("rule_dpo")), None)
-        if job is not None and job["JobState"] == "RUNNING":
-            running_since = running_since or time.time()
-            fresh = metrics.is_file() and metrics.stat().st_mtime > running_since
-            if fresh and len(metrics.read_text().splitlines()) >= 2:
-                return job
-        time.sleep(0.5)
-    raise AssertionError(f"the dpo job of {work} never trained (snakemake exit {proc.poll()})")
-
-
 @pytest.fixture(scope="module")
-def two_node_run(slurm_run, tmp_path_factory) -> SlurmRun:
-    """The arm again on two nodes of one rank each (preflight, probe and dpo rerun in a copy of the
-    finished run); scancel sends SIGTERM to the dpo job's steps while it trains."""
-    work = tmp_path_factory.mktemp("slurm-two-nodes").resolve()
+def one_node_result(slurm_run, tmp_path_factory) -> dict:
+    """The arm's result when preflight, probe and dpo run again on this host, one node of two
+    ranks, with no stop (in a copy of the Slurm run)."""
+    work = tmp_path_factory.mktemp("one-node").resolve()
     copy_of_run(slurm_run, work)
-    config = reduced_config(work, gpus_per_node=1)
+    config = reduced_config(work)
     date_configs_before_results(work)
     target = str(RunPaths.of("results").arm(ARM).arm_result)
-    args = slurm_args(
-        config, "--retries", "2", "--rerun-triggers", "mtime", "--forcerun", "preflight", target
+    run = run_snakemake(
+        work,
+        *("--configfile", str(config), "--cores", "2", "--rerun-triggers", "mtime"),
+        *("--forcerun", "preflight", "--", target),
+        timeout=RUN_TIMEOUT_S,
     )
-    command, env = snakemake_command(work, *args, timeout=RUN_TIMEOUT_S)
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        command, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        job = wait_until_training(work, proc)
-        subprocess.run(["scancel", "--signal=TERM", job["JobId"]], check=True, timeout=30)
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S + 60)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-    result = subprocess.CompletedProcess(command, proc.returncode, out, "")
-    run = SlurmRun(work, result, jobs_of(work), time.monotonic() - started)
-    print(f"two-node run: {run.seconds:.0f} s, {len(run.jobs)} jobs", file=sys.stderr)
-    assert result.returncode == 0, run.output()
-    return run
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    return json.loads((work / target).read_text())
 
 
-def test_the_two_node_jobs_span_both_nodes_with_one_task_each(two_node_run):
-    paths = RunPaths.of("results").arm(ARM)
-    probe = two_node_run.receipt(paths.probe)
-    node_mb = probe["projection"]["node_mb"]
-    assert probe["projection"]["nodes"] == 2
-    for rule in ("probe", "dpo"):
-        for job in two_node_run.of_rule(rule):
-            assert job["NumNodes"] == "2" and job["NumTasks"] == "2", job
-            assert int(job["CPUs/Task"]) == threads(), job
-            assert job["Partition"] == "cpu", job
-    (probe_job,) = two_node_run.of_rule("probe")
-    preflight = two_node_run.receipt(paths.preflight)["figures"]
-    assert memory_mb(probe_job["MinMemoryNode"]) == rss_request(preflight["node_mb"], 1)
-    first_dpo = two_node_run.of_rule("dpo")[0]
-    measured = probe["figures"]["peak_rss_mb"] / 2
-    assert memory_mb(first_dpo["MinMemoryNode"]) == rss_request(max(node_mb, measured), 1)
-
-
-def test_the_ranks_ran_on_two_nodes_and_the_receipts_say_where(two_node_run):
-    paths = RunPaths.of("results").arm(ARM)
-    for receipt in (paths.probe, paths.arm_result):
-        devices = two_node_run.receipt(receipt)["figures"]["devices"]
-        hosts = [device.split(":")[0] for device in devices]
-        assert len(devices) == 2 and len(set(hosts)) == 2, devices
-
-
-def test_scancel_sigterm_to_a_two_node_job_saves_exits_75_and_the_retry_resumes(two_node_run):
-    first, second = two_node_run.of_rule("dpo")
-    assert first["JobState"] == "FAILED", first
-    assert second["JobState"] == "COMPLETED", second
-    training = two_node_run.receipt(RunPaths.of("results").arm(ARM).arm_result)["figures"][
-        "training"
-    ]
-    assert training["resumed_after"]["reason"] == "signal SIGTERM", training
-    assert training["steps"] == training["horizon_steps"], training
-
-
-def test_the_two_node_result_equals_the_one_node_result(slurm_run, two_node_run):
-    """Both runs were stopped and resumed (by the time limit, by scancel); the weights
-    are the same bytes, so neither the layout nor the stops changed the training."""
-    path = RunPaths.of("results").arm(ARM).arm_result
-    one, two = slurm_run.receipt(path), two_node_run.receipt(path)
+def test_the_two_node_result_equals_the_one_node_result(slurm_run, one_node_result):
+    """Two stops (the time limit, scancel) and two nodes against one uninterrupted node: the
+    weights are the same bytes."""
+    two = slurm_run.receipt(RunPaths.of("results").arm(ARM).arm_result)
+    one = one_node_result
+    assert one["figures"]["training"]["resumed_from"] is None, one["figures"]["training"]
+    assert {d.split(":")[0] for d in one["figures"]["devices"]} == {os.uname().nodename}
     assert one["outputs"] == two["outputs"], (one["outputs"], two["outputs"])
     assert one["figures"]["held_out"] == two["figures"]["held_out"]
 
 
 def test_a_cuda_job_holds_every_gpu_in_one_task_on_the_gpu_partition(slurm_run, tmp_path):
-    """The node's GPUs are dummies: the request is what is checked, and the refusal."""
+    """The node's GPUs are dummies: the request is what is checked, and the refusal.
+
+    ref_cache (the arm's two ranks on one node) trains nothing, so it runs without the
+    retry a training stage needs: one job."""
     work = tmp_path.resolve()
-    # The tiny default the first run wrote, at the relative paths the configs name.
-    (work / "resources").symlink_to(slurm_run.workdir / "resources")
-    config = reduced_config(work, sft_device="cuda")
-    # One retry, the least a training stage on a scheduler is allowed.
+    copy_of_run(slurm_run, work)
+    config = reduced_config(work, arm_device="cuda")
+    date_configs_before_results(work)
     result = snakemake_on_slurm(
-        work, config, "--retries", "1", str(RunPaths.of("results").sft_receipt)
+        work, config, "arms", "--rerun-triggers", "mtime", "--until", "ref_cache"
     )
     assert result.returncode != 0, "a CUDA stage cannot succeed on this node"
     jobs = jobs_of(work)
-    assert len(jobs) == 2, jobs
-    for job in jobs:
-        assert job["Comment"] == "rule_sft", job
-        assert job["Partition"] == "gpu", job
-        assert gpus(job) == 2, job
-        assert job["NumTasks"] == "1" and job["NumNodes"] == "1", job
-        assert "NtasksPerTRES" not in job or job["NtasksPerTRES"] in ("0", ""), job
-    log = (work / RunPaths.of("results").log("sft")).read_text()
+    assert len(jobs) == 1, jobs
+    (job,) = jobs
+    assert rule_of(job) == "ref_cache", job
+    assert job["Partition"] == "gpu", job
+    assert gpus(job) == 2, job
+    assert job["NumTasks"] == "1" and job["NumNodes"] == "1", job
+    assert "NtasksPerTRES" not in job or job["NtasksPerTRES"] in ("0", ""), job
+    logs = (work / RunPaths.of("results").log("ref_cache")).parent.glob(f"{ARM}-*")
+    log = max(logs, key=lambda path: path.stat().st_mtime).read_text()
     assert "CUDA is not available" in log, log[-3000:]

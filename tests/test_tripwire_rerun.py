@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from align.exit_codes import TRIPWIRE
+from align.exit_codes import RESUMABLE_STOP, TRIPWIRE
+from align.paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
+STOP_MARKER = RunPaths.of("results").arm("argilla").stop_marker
 SHORT = ["--epochs=2", "--lr=2e-3"]
 ONLY_GENERATION = [
     "--tripwires.collapse=false",
@@ -40,19 +44,25 @@ def work(finished_workflow, tmp_path) -> Path:
     return tmp_path
 
 
-def dpo(work: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [
+def dpo_command(*overrides: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "align.launch",
         "--nproc=2",
+        f"--stop-marker={STOP_MARKER}",
         str(REPO / "workflow/scripts/dpo.py"),
         str(REPO / "config/arms/argilla.toml"),
         "--run.threads=1",
         *SHORT,
         *overrides,
     ]
-    return subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=900)
+
+
+def dpo(work: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        dpo_command(*overrides), cwd=work, capture_output=True, text=True, timeout=900
+    )
 
 
 def result(work: Path) -> dict:
@@ -112,3 +122,46 @@ def test_a_second_alarm_ends_the_stage_with_exit_5_after_exactly_one_rerun(work)
         ("rerun", "chosen_logp_collapse"),
     ]
     assert all(a["value"] < -1.0 for a in wire["fired"])
+
+
+def launch_dpo(work: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        dpo_command(*overrides), cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_for_lines(path: Path, lines: int, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    """Until `path`, written since now, holds `lines` lines."""
+    started, deadline = time.time(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        fresh = path.is_file() and path.stat().st_mtime > started
+        if fresh and len(path.read_text().splitlines()) >= lines:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{path} never reached {lines} lines (exit {proc.poll()})")
+
+
+def test_a_stop_during_the_rerun_exits_75_and_the_retry_resumes_the_rerun(work):
+    """The launcher reads one stop marker per stage: a SIGTERM while the rerun trains must
+    end in exit 75 with that marker naming the rerun's checkpoint, and the retry must take
+    the first run to its alarm again and resume the rerun from that checkpoint."""
+    proc = launch_dpo(work, *ONLY_COLLAPSE)
+    rerun_metrics = work / "results/argilla/run/rerun/metrics.jsonl"
+    wait_for_lines(rerun_metrics, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == RESUMABLE_STOP, stderr[-3000:]
+    marker = json.loads((work / STOP_MARKER).read_text())
+    assert marker["reason"] == "signal SIGTERM"
+    assert Path(marker["checkpoint"]).parent == Path("results/argilla/run/rerun/checkpoints")
+
+    resumed = dpo(work, *ONLY_COLLAPSE, "--trainer.resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    arm = result(work)
+    assert [r["run"] for r in arm["tripwire"]["runs"]] == ["first", "rerun"]
+    assert [a["run"] for a in arm["tripwire"]["fired"]] == ["first"]
+    training = arm["figures"]["training"]
+    assert training["resumed_after"] == marker, training
+    assert training["resumed_from"] == marker["checkpoint"], training
+    assert training["steps"] == training["horizon_steps"], training
+    assert not (work / STOP_MARKER).exists()

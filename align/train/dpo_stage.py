@@ -71,6 +71,7 @@ def _setup(cfg: ArmConfig, ctx: GateContext, run_dir: Path, trainer_cfg):
         run_dir=run_dir,
         stage="dpo",
         info=info,
+        stop_marker=ctx.arm.stop_marker,
     )
     return info, shards, refs, model, trainer
 

@@ -74,6 +74,7 @@ def build_trainer(
     run_dir: str | Path,
     stage: str,
     info: DistInfo,
+    stop_marker: Path | None = None,
 ) -> Trainer:
     check_shard_layout(shard, batch)
     sampler = StepSampler(len(shard), batch, info.rank, info.world_size)
@@ -91,6 +92,7 @@ def build_trainer(
         stage,
         info,
         optim.grad_clip,
+        stop_marker,
     )
 
 

@@ -29,6 +29,8 @@ from align.train.checkpointing import CheckpointManager
 from align.utils.dist import DistInfo, all_reduce_sum, any_rank, barrier
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# max_wall_seconds is the job's budget: every trainer of the stage's process counts from here.
+STAGE_STARTED = time.monotonic()
 
 
 def reduce_step_sums(
@@ -96,6 +98,7 @@ class Trainer:
         stage: str,
         info: DistInfo,
         grad_clip: float,
+        stop_marker: Path | None = None,
     ):
         self.cfg, self.model, self.source, self.adapter = cfg, model, source, adapter
         self.optimizer, self.scheduler, self.grad_clip = optimizer, scheduler, grad_clip
@@ -104,9 +107,10 @@ class Trainer:
         self.state = TrainState()
         self.last_metrics: dict[str, Any] = {}
         self.stop = StopRequest()
-        self.started = time.monotonic()
         self.resumed_from: str | None = None
         self.resumed_after: dict[str, Any] | None = None  # the stop the resume follows
+        # The stage's one marker, the file its launcher reads, whichever run of it stopped.
+        self.stop_marker = Path(stop_marker) if stop_marker else self.run_dir / "stopped.json"
 
     @property
     def metrics_path(self) -> Path:
@@ -114,11 +118,12 @@ class Trainer:
 
     def prepare(self) -> None:
         """Resume from the newest valid checkpoint, or rotate stale ones away for a fresh run."""
-        if self.cfg.resume and self.stop_marker.is_file():
-            self.resumed_after = json.loads(self.stop_marker.read_text())
+        stopped = self._own_stop() if self.cfg.resume else None
         barrier()
-        if self.info.is_main:
-            self.stop_marker.unlink(missing_ok=True)
+        if stopped is not None:
+            self.resumed_after = stopped
+            if self.info.is_main:
+                self.stop_marker.unlink()
         latest = self.checkpoints.latest() if self.cfg.resume else None
         if latest is None:
             self.checkpoints.rotate_stale()
@@ -246,7 +251,7 @@ class Trainer:
     def _stop_requested(self) -> bool:
         over_time = (
             bool(self.cfg.max_wall_seconds)
-            and time.monotonic() - self.started > self.cfg.max_wall_seconds
+            and time.monotonic() - STAGE_STARTED > self.cfg.max_wall_seconds
         )
         return any_rank(self.stop.signal is not None or over_time)
 
@@ -261,9 +266,13 @@ class Trainer:
             self.state.micro_step, self.model, self.optimizer, trainer_state
         )
 
-    @property
-    def stop_marker(self) -> Path:
-        return self.run_dir / "stopped.json"
+    def _own_stop(self) -> dict[str, Any] | None:
+        """The stop marker, when the checkpoint it names is one of this run's: a stage that
+        trains more than one run resumes each after its own stop only."""
+        if not self.stop_marker.is_file():
+            return None
+        stopped = json.loads(self.stop_marker.read_text())
+        return stopped if Path(stopped["checkpoint"]).parent == self.checkpoints.root else None
 
     def _leave_stop_marker(self, checkpoint: Path) -> None:
         """Tells the launcher the stop was clean and resumable."""
