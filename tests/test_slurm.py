@@ -53,6 +53,13 @@ JOB_RESOURCES = {
 }
 # Long enough that the first DPO attempt still trains when its one-minute limit nears.
 ARM_EPOCHS = 4
+# One training run per DPO attempt, so a stop and its resume are the run's own.
+SLURM_ARM_WIRES = """
+[tripwires.disarmed]
+collapse = "these tests check the jobs and their stops (the wires: test_tripwire_rerun.py)"
+length_drift = "these tests check the jobs and their stops (the wires: test_tripwire_rerun.py)"
+generation = "these tests check the jobs and their stops (the wires: test_tripwire_rerun.py)"
+"""
 # One Snakemake run must finish well inside CI's budget; timeout -k makes sure it ends.
 RUN_TIMEOUT_S = 900
 
@@ -120,12 +127,16 @@ def reduced_config(work: Path, **overrides) -> Path:
     arms.mkdir(exist_ok=True)
     arm_toml = (REPO / "config" / "arms" / f"{ARM}.toml").read_text()
     arm_toml = re.sub(r"(?m)^epochs = \d+$", f"epochs = {ARM_EPOCHS}", arm_toml)
+    arm_toml = re.sub(r"(?m)^(collapse|length_drift|generation) = true$", r"\1 = false", arm_toml)
+    arm_toml += SLURM_ARM_WIRES
     device = overrides.pop("arm_device", None)
     if device is not None:
         arm_toml += f'\n[run]\ndevice = "{device}"\n'
     (arms / f"{ARM}.toml").write_text(arm_toml)
     sft_toml = (REPO / "config" / "sft.toml").read_text()
     sft_toml = re.sub(r"(?m)^epochs = \d+$", "epochs = 1", sft_toml)
+    # SFT stays on one node: the arm's stages are the two-node jobs.
+    sft_toml = re.sub(r"(?m)^world_size = 2$", "world_size = 2\ngpus_per_node = 2", sft_toml)
     sft_toml = re.sub(r"(?m)^max_held_nll = .*$", "max_held_nll = 100.0", sft_toml)
     sft_toml = re.sub(
         r"(?m)^min_terminated_fraction = .*$", "min_terminated_fraction = 0.0", sft_toml
@@ -191,7 +202,7 @@ def dpo_log(work: Path) -> Path:
 
 def wait_until_resumed_training(work: Path, proc: subprocess.Popen, timeout_s: float) -> dict:
     """The second dpo job of `work` once it has resumed and logged two optimizer steps."""
-    metrics = work / RunPaths.of("results").arm(ARM).run_dir / "metrics.jsonl"
+    metrics = work / RunPaths.of("results").arm(ARM).metrics
     deadline, logged = time.monotonic() + timeout_s, None
     while time.monotonic() < deadline and proc.poll() is None:
         attempts = [j for j in jobs_of(work) if j["Comment"].startswith("rule_dpo")]
@@ -313,7 +324,7 @@ CLUSTER_RULES = (
 )
 TORCH_RULES = CLUSTER_RULES[1:]
 # The stages of two ranks, each a job of one task on each of the two nodes.
-TWO_NODE_RULES = ("sft", "ref_cache", "path_bias", "probe", "dpo")
+TWO_NODE_RULES = ("ref_cache", "path_bias", "probe", "dpo")
 
 
 def rule_of(job: dict[str, str]) -> str:
@@ -366,7 +377,7 @@ def test_model_loading_jobs_ask_for_their_stage_projection(slurm_run):
     selection = load_config(REPO / "config" / "selection.toml", SelectionConfig).cfg
     base, checkpoint = work / "resources/tiny/base", work / "results/sft/checkpoint"
     expected = {
-        "sft": projected_request("sft", sft, base, nodes=2),
+        "sft": projected_request("sft", sft, base, nodes=1),
         "sft_gate": projected_request("sft_gate", sft, checkpoint, nodes=1),
         "ref_cache": projected_request("ref_cache", arm, checkpoint, nodes=2),
         "path_bias": projected_request("path_bias", arm, checkpoint, nodes=2),
@@ -376,7 +387,7 @@ def test_model_loading_jobs_ask_for_their_stage_projection(slurm_run):
         job = slurm_run.of_rule(rule)[0]
         assert memory_mb(job["MinMemoryNode"]) == request, (rule, job)
     # Rank 0's staging of the base model and the exported policy are in the SFT request.
-    sft_terms = projected_job_rss(job_shape("sft", sft, 2), base, 0)["terms_mb"]
+    sft_terms = projected_job_rss(job_shape("sft", sft, 1), base, 0)["terms_mb"]
     assert {"load_staging_rank0", "export_gather_rank0"} <= sft_terms.keys()
 
 
