@@ -23,8 +23,16 @@ arms: install
 services:
 	bash .ci/services_up.sh
 
+# The Slurm tests spend most of their time waiting on the scheduler, so they run beside the
+# rest of the suite; their report follows it, and either failing fails the target.
+SLURM_TESTS := tests/test_slurm.py
 test: install services
-	ALIGN_SERVICES=required $(PY) -m pytest -q
+	@log=$$(mktemp); \
+	ALIGN_SERVICES=required $(PY) -m pytest -q $(SLURM_TESTS) > $$log 2>&1 & slurm=$$!; \
+	ALIGN_SERVICES=required $(PY) -m pytest -q --ignore=$(SLURM_TESTS); rest=$$?; \
+	wait $$slurm; slurm_status=$$?; \
+	echo "--- $(SLURM_TESTS)"; cat $$log; rm -f $$log; \
+	exit $$((rest || slurm_status))
 
 lint: install
 	ruff check . && ruff format --check . && snakefmt --check Snakefile rules && snakemake --lint

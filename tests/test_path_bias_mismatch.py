@@ -194,9 +194,14 @@ def bf16_arm(source: str) -> str:
     edited = source.replace('[model]\ndtype = "float32"', '[model]\ndtype = "bfloat16"')
     edited = edited.replace("[batch]\n", "[batch]\nshare_prompt = true\n")
     edited = edited.replace("length_drift = true", "length_drift = false")
-    for change in ('[model]\ndtype = "bfloat16"', "share_prompt = true", "length_drift = false"):
+    edited = edited.replace("generation = true", "generation = false")
+    changes = ("share_prompt = true", "length_drift = false", "generation = false")
+    for change in ('[model]\ndtype = "bfloat16"', *changes):
         assert change in edited, change
-    disarmed = '\n[tripwires.disarmed]\nlength_drift = "four micro-steps check wiring only"\n'
+    disarmed = (
+        '\n[tripwires.disarmed]\nlength_drift = "four micro-steps check wiring only"\n'
+        'generation = "four micro-steps check wiring only"\n'
+    )
     return edited + disarmed + "\n[trainer]\nmax_micro_steps = 4\nprobe_steps = 4\n"
 
 

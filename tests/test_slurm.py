@@ -31,6 +31,7 @@ import pytest
 import yaml
 from conftest import dry_run_rules, run_snakemake, snakemake_command
 
+from align.exit_codes import RESUMABLE_STOP
 from align.paths import RunPaths
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,9 +130,6 @@ def reduced_config(work: Path, **overrides) -> Path:
     arm_toml = re.sub(r"(?m)^epochs = \d+$", f"epochs = {ARM_EPOCHS}", arm_toml)
     arm_toml = re.sub(r"(?m)^(collapse|length_drift|generation) = true$", r"\1 = false", arm_toml)
     arm_toml += SLURM_ARM_WIRES
-    device = overrides.pop("arm_device", None)
-    if device is not None:
-        arm_toml += f'\n[run]\ndevice = "{device}"\n'
     (arms / f"{ARM}.toml").write_text(arm_toml)
     sft_toml = (REPO / "config" / "sft.toml").read_text()
     sft_toml = re.sub(r"(?m)^epochs = \d+$", "epochs = 1", sft_toml)
@@ -141,6 +139,9 @@ def reduced_config(work: Path, **overrides) -> Path:
     sft_toml = re.sub(
         r"(?m)^min_terminated_fraction = .*$", "min_terminated_fraction = 0.0", sft_toml
     )
+    device = overrides.pop("sft_device", None)
+    if device is not None:
+        sft_toml += f'\n[run]\ndevice = "{device}"\n'
     (work / "sft.toml").write_text(sft_toml)
     config = {
         "arms": [ARM],
@@ -432,20 +433,29 @@ def test_a_stopped_sft_attempt_is_retried_and_resumes(slurm_run):
     assert "--trainer.resume=true" in log and "resumed from" in log, log[-3000:]
 
 
+def stage_exit(run: SlurmRun, job: dict[str, str]) -> int:
+    """The exit status of the stage command in `job`, from the job's own log."""
+    log = Path(job["StdOut"]).read_text()
+    found = re.search(r"returned non-zero exit status (\d+)", log)
+    assert found, log[-3000:]
+    return int(found[1])
+
+
 def test_the_dpo_job_at_its_time_limit_saved_and_exited_75(slurm_run):
     """The first attempt's one-minute limit: Slurm's pre-timeout SIGTERM reached the
     launchers, every rank stopped at a step boundary with a checkpoint and exited 75, and
     the second attempt resumed from that checkpoint."""
     first = slurm_run.of_rule("dpo")[0]
     assert first["JobState"] == "FAILED" and minutes(first["TimeLimit"]) == 1, first
-    assert first["ExitCode"] == "75:0", first
+    assert stage_exit(slurm_run, first) == RESUMABLE_STOP, first
     log = slurm_run.second_dpo_log
     assert "--trainer.resume=true" in log and "resumed from" in log, log[-3000:]
 
 
 def test_scancel_sigterm_to_a_two_node_job_saves_exits_75_and_the_retry_resumes(slurm_run):
     _, second, third = slurm_run.of_rule("dpo")
-    assert second["JobState"] == "FAILED" and second["ExitCode"] == "75:0", second
+    assert second["JobState"] == "FAILED", second
+    assert stage_exit(slurm_run, second) == RESUMABLE_STOP, second
     assert third["JobState"] == "COMPLETED", third
     result = slurm_run.receipt(RunPaths.of("results").arm(ARM).arm_result)
     training = result["figures"]["training"]
@@ -523,26 +533,23 @@ def test_the_two_node_result_equals_the_one_node_result(slurm_run, one_node_resu
 
 
 def test_a_cuda_job_holds_every_gpu_in_one_task_on_the_gpu_partition(slurm_run, tmp_path):
-    """The node's GPUs are dummies: the request is what is checked, and the refusal.
-
-    ref_cache (the arm's two ranks on one node) trains nothing, so it runs without the
-    retry a training stage needs: one job."""
+    """The node's GPUs are dummies: the request is what is checked, and the refusal."""
     work = tmp_path.resolve()
-    copy_of_run(slurm_run, work)
-    config = reduced_config(work, arm_device="cuda")
-    date_configs_before_results(work)
+    # The tiny default the first run wrote, at the relative paths the configs name.
+    (work / "resources").symlink_to(slurm_run.workdir / "resources")
+    config = reduced_config(work, sft_device="cuda")
+    # One retry, the least a training stage on a scheduler is allowed.
     result = snakemake_on_slurm(
-        work, config, "arms", "--rerun-triggers", "mtime", "--until", "ref_cache"
+        work, config, "--retries", "1", str(RunPaths.of("results").sft_receipt)
     )
     assert result.returncode != 0, "a CUDA stage cannot succeed on this node"
     jobs = jobs_of(work)
-    assert len(jobs) == 1, jobs
-    (job,) = jobs
-    assert rule_of(job) == "ref_cache", job
-    assert job["Partition"] == "gpu", job
-    assert gpus(job) == 2, job
-    assert job["NumTasks"] == "1" and job["NumNodes"] == "1", job
-    assert "NtasksPerTRES" not in job or job["NtasksPerTRES"] in ("0", ""), job
-    logs = (work / RunPaths.of("results").log("ref_cache")).parent.glob(f"{ARM}-*")
-    log = max(logs, key=lambda path: path.stat().st_mtime).read_text()
+    assert len(jobs) == 2, jobs
+    for job in jobs:
+        assert rule_of(job) == "sft", job
+        assert job["Partition"] == "gpu", job
+        assert gpus(job) == 2, job
+        assert job["NumTasks"] == "1" and job["NumNodes"] == "1", job
+        assert "NtasksPerTRES" not in job or job["NtasksPerTRES"] in ("0", ""), job
+    log = (work / RunPaths.of("results").log("sft")).read_text()
     assert "CUDA is not available" in log, log[-3000:]
