@@ -29,6 +29,8 @@ ONLY_GENERATION = [
     "--tripwires.disarmed.length_drift=this test watches the generation wire alone",
     "--tripwires.generation_every_steps=5",
 ]
+# The collapse wire fires within the first epoch; the rerun's epoch is the stop's window.
+ONE_EPOCH = ["--epochs=1"]
 ONLY_COLLAPSE = [
     "--tripwires.generation=false",
     "--tripwires.disarmed.generation=this test watches the collapse wire alone",
@@ -145,7 +147,7 @@ def test_a_stop_during_the_rerun_exits_75_and_the_retry_resumes_the_rerun(work):
     """The launcher reads one stop marker per stage: a SIGTERM while the rerun trains must
     end in exit 75 with that marker naming the rerun's checkpoint, and the retry must take
     the first run to its alarm again and resume the rerun from that checkpoint."""
-    proc = launch_dpo(work, *ONLY_COLLAPSE)
+    proc = launch_dpo(work, *ONLY_COLLAPSE, *ONE_EPOCH)
     rerun_metrics = work / "results/argilla/run/rerun/metrics.jsonl"
     wait_for_lines(rerun_metrics, 2, proc)
     proc.send_signal(signal.SIGTERM)
@@ -155,7 +157,7 @@ def test_a_stop_during_the_rerun_exits_75_and_the_retry_resumes_the_rerun(work):
     assert marker["reason"] == "signal SIGTERM"
     assert Path(marker["checkpoint"]).parent == Path("results/argilla/run/rerun/checkpoints")
 
-    resumed = dpo(work, *ONLY_COLLAPSE, "--trainer.resume=true")
+    resumed = dpo(work, *ONLY_COLLAPSE, *ONE_EPOCH, "--trainer.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     arm = result(work)
     assert [r["run"] for r in arm["tripwire"]["runs"]] == ["first", "rerun"]
