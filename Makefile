@@ -23,10 +23,9 @@ arms: install
 services:
 	bash .ci/services_up.sh
 
-# The Slurm tests spend most of their time waiting on the scheduler, so they run beside the
-# rest of the suite, with the hub-checkpoint chains (which need no finished default run) to
-# balance the two; their report follows, and either run failing fails the target.
-BESIDE := tests/test_slurm.py tests/test_hub_checkpoint.py
+# The Slurm tests spend much of their time waiting on the scheduler, so they run beside the
+# rest of the suite; their report follows, and either run failing fails the target.
+BESIDE := tests/test_slurm.py
 test: install services
 	@log=$$(mktemp); \
 	ALIGN_SERVICES=required $(PY) -m pytest -q $(BESIDE) > $$log 2>&1 & beside=$$!; \
