@@ -24,6 +24,12 @@ FIRST_RUN, RERUN = "first", "rerun"
 TRAINING_RUNS = (FIRST_RUN, RERUN)
 
 
+def stop_marker_in(run_dir: str | Path) -> Path:
+    """Where a training run that stopped cleanly (checkpoint saved) tells its launcher to
+    exit 75, and its retry what it resumes after."""
+    return Path(run_dir) / "stopped.json"
+
+
 def _absolute(path: str | Path) -> Path:
     """Absolute and without `..`, symlinks left as they are (a moved run may be reached by one)."""
     return Path(os.path.abspath(path))
@@ -94,6 +100,10 @@ class RunPaths:
     @property
     def sft_run_dir(self) -> Path:
         return self.sft_dir / "run"
+
+    @property
+    def sft_stop_marker(self) -> Path:
+        return stop_marker_in(self.sft_run_dir)
 
     @property
     def sft_gate(self) -> Path:
@@ -185,8 +195,8 @@ class ArmPaths:
 
     @property
     def stop_marker(self) -> Path:
-        """Where a stopped dpo stage, in either of its runs, tells its launcher to exit 75."""
-        return self.run_dir / "stopped.json"
+        """The dpo stage's one marker, whichever of its runs stopped."""
+        return stop_marker_in(self.run_dir)
 
     @property
     def metrics(self) -> Path:

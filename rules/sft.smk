@@ -26,7 +26,7 @@ rule sft:
     params:
         run=RUN_OVERRIDES,
         launch=launcher(
-            sft_layout, stop_marker=lambda w: PATHS.sft_run_dir / "stopped.json"
+            sft_layout, stop_marker=lambda w: PATHS.sft_stop_marker
         ),
         rank_threads=layout_rank_threads(sft_layout),
     shell:

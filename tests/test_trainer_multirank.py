@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 from tiny_pairs import write_tiny_pairs
 
 from align.exit_codes import RESUMABLE_STOP
+from align.paths import stop_marker_in
 
 DRIVER = Path(__file__).parent / "drivers" / "train_tiny.py"
 N_PAIRS, SEQ = 24, 14
@@ -59,7 +60,7 @@ def train(workdir: Path, world: int, tag: str, *extra: str) -> subprocess.Comple
     if world == 1:
         cmd = [sys.executable, *args]
     else:
-        marker = workdir / f"run-{tag}" / "stopped.json"
+        marker = stop_marker_in(workdir / f"run-{tag}")
         cmd = [
             sys.executable,
             "-m",
@@ -82,7 +83,7 @@ def train_two_nodes(workdir: Path, tag: str, *extra: str) -> list[subprocess.Com
     """Two launchers of one rank each, as two nodes joined by a c10d rendezvous on localhost."""
     endpoint = f"127.0.0.1:{free_port()}"
     args = [str(DRIVER), str(workdir), f"--tag={tag}", *topology(2), *COMMON, *extra]
-    marker = workdir / f"run-{tag}" / "stopped.json"
+    marker = stop_marker_in(workdir / f"run-{tag}")
     launch = [sys.executable, "-m", "align.launch", "--nproc=1", "--nnodes=2"]
     launch += [f"--rdzv-endpoint={endpoint}", f"--rdzv-id={tag}", f"--stop-marker={marker}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from align.config import TrainerConfig
 from align.exit_codes import AlignError, ResumableStop
+from align.paths import stop_marker_in
 from align.receipts import write_json_atomic
 from align.train.checkpointing import CheckpointManager
 from align.utils.dist import DistInfo, all_reduce_sum, any_rank, barrier
@@ -110,7 +111,7 @@ class Trainer:
         self.resumed_from: str | None = None
         self.resumed_after: dict[str, Any] | None = None  # the stop the resume follows
         # The stage's one marker, the file its launcher reads, whichever run of it stopped.
-        self.stop_marker = Path(stop_marker) if stop_marker else self.run_dir / "stopped.json"
+        self.stop_marker = Path(stop_marker) if stop_marker else stop_marker_in(self.run_dir)
 
     @property
     def metrics_path(self) -> Path:
