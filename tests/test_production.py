@@ -16,16 +16,8 @@ from conftest import production_checkout, run_snakemake, stand_in_apptainer
 from snakemake.utils import validate
 
 from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
-from align.topology import topology
-from align.train.memory import (
-    check_device_projection,
-    check_projection,
-    device_memory_mb,
-    job_shape,
-    node_memory,
-    projected_device_memory,
-    projected_job_rss,
-)
+from align.train.memory import job_shape, projected_job_rss
+from align.train.stage_gates import preflight_projection
 
 REPO = Path(__file__).resolve().parents[1]
 PRODUCTION = REPO / "config" / "production"
@@ -190,15 +182,13 @@ def test_the_preflight_projection_of_each_production_arm_fits_its_declared_node(
     # What the workflow passes the preflight for a job on that partition (rules/common.smk).
     cfg.run.node_memory_mb = config["slurm_node_memory_mb"][partition]
     cfg.run.node_memory_source = f"slurm_node_memory_mb[{partition}] (workflow config)"
-    nodes = topology(cfg.batch.world_size, cfg.batch.gpus_per_node, config["gpus_per_node"]).nodes
-    assert nodes == 1
-    projection = projected_job_rss(job_shape("dpo", cfg, nodes), stub, shard_bytes=0)
-    host = check_projection(projection, cfg.preflight.host_memory_fraction, *node_memory(cfg.run))
-    assert host["node_memory_source"] == "slurm_node_memory_mb[gpu] (workflow config)"
-    assert host["headroom_mb"] > 0
-    device = projected_device_memory(cfg, stub)
-    fits = check_device_projection(device, cfg.preflight, *device_memory_mb(cfg.preflight))
-    assert fits["device_source"] == "preflight.device_memory_gb"
+    cfg.run.gpus_per_node = config["gpus_per_node"]
+    projection = preflight_projection(cfg, stub, shard_bytes=0)
+    assert projection["nodes"] == 1
+    assert projection["node_memory_source"] == "slurm_node_memory_mb[gpu] (workflow config)"
+    assert projection["headroom_mb"] > 0
+    device = projection["device"]
+    assert device["device_source"] == "preflight.device_memory_gb"
     assert device["total_mb"] / 1024 == pytest.approx(25.1, abs=0.05)  # the README's table
 
 

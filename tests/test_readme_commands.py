@@ -42,20 +42,9 @@ ARMS_AFTER_REF_CACHE = Counter(
 )
 
 
-# The jobs of the production run's `arms` target, from a downloaded model and data.
-PRODUCTION_ARMS = Counter(
-    kernel_gate=1,
-    sft=1,
-    sft_gate=1,
-    build_manifest=1,
-    ref_cache=2,
-    path_bias=2,
-    preflight=2,
-    probe=2,
-    dpo=2,
-    select_arms=1,
-    arms=1,
-)
+# The jobs of the production run's `arms` target, from a downloaded model and data: the
+# kernel gate of its triton_fa2 arms where the default generates its tiny world.
+PRODUCTION_ARMS = ARMS_FROM_NOTHING - Counter(tiny_default=1) + Counter(kernel_gate=1)
 
 
 def readme_commands() -> list[str]:

@@ -244,26 +244,37 @@ def _gate_preflight(ctx: GateContext) -> dict[str, Any]:
     cfg = ctx.cfg
     master_updates = check_master_updates(cfg, ctx.checkpoint)
     shard_bytes = sum(Path(ctx.entry["shards"][s]["path"]).stat().st_size for s in SPLITS)
-    nodes = topology(cfg.batch.world_size, cfg.batch.gpus_per_node, cfg.run.gpus_per_node).nodes
-    ctx.projection = projected_job_rss(job_shape("dpo", cfg, nodes), ctx.checkpoint, shard_bytes)
-    host = check_projection(
-        ctx.projection, cfg.preflight.host_memory_fraction, *node_memory(cfg.run)
-    )
-    ctx.projection.update(host, master_updates=master_updates)
+    ctx.projection = preflight_projection(cfg, ctx.checkpoint, shard_bytes)
+    ctx.projection["master_updates"] = master_updates
     shown = {
         "projected_mb": round(ctx.projection["total_mb"]),
-        "available_mb": round(host["available_mb"]),
+        "available_mb": round(ctx.projection["available_mb"]),
     }
-    if cfg.run.device == "cuda":
-        device = projected_device_memory(cfg, ctx.checkpoint)
-        device.update(
-            check_device_projection(device, cfg.preflight, *device_memory_mb(cfg.preflight))
-        )
-        ctx.projection["device"] = device
+    if "device" in ctx.projection:
+        device = ctx.projection["device"]
         shown.update(
             device_projected_mb=round(device["total_mb"]), device_mb=round(device["device_mb"])
         )
     return shown
+
+
+def preflight_projection(
+    cfg: ArmConfig, checkpoint: str | Path, shard_bytes: int
+) -> dict[str, Any]:
+    """The dpo job's projected memory on its fullest node, and on each device under CUDA,
+    with what it was judged against; refused (exit 6) where it does not fit."""
+    nodes = topology(cfg.batch.world_size, cfg.batch.gpus_per_node, cfg.run.gpus_per_node).nodes
+    projection = projected_job_rss(job_shape("dpo", cfg, nodes), checkpoint, shard_bytes)
+    projection.update(
+        check_projection(projection, cfg.preflight.host_memory_fraction, *node_memory(cfg.run))
+    )
+    if cfg.run.device == "cuda":
+        device = projected_device_memory(cfg, checkpoint)
+        device.update(
+            check_device_projection(device, cfg.preflight, *device_memory_mb(cfg.preflight))
+        )
+        projection["device"] = device
+    return projection
 
 
 def check_master_updates(cfg: ArmConfig, checkpoint: str | Path) -> dict[str, Any]:
