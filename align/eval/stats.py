@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from scipy.stats import binomtest
-
 
 def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
     """Wilson score interval of a binomial proportion."""
+    # Imported here: every training rank imports this module, and scipy.stats costs each
+    # of them most of a second at startup for a figure only the end of a run computes.
+    from scipy.stats import binomtest
+
     if n == 0:
         raise ValueError("Wilson interval of zero trials is undefined")
     ci = binomtest(successes, n).proportion_ci(confidence_level=confidence, method="wilson")
