@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from align.exit_codes import USAGE, AlignError, ConfigError
-from align.paths import RunPaths
-from align.report import ReportPaths, gather, render_text
-from align.stage import parse_stage_args
+from align.paths import ReportPaths, RunPaths
+from align.report.summary import gather, render_text
+from align.stages.entry import parse_stage_args
 
 WORKFLOW_CONFIG = Path("config/config.yaml")
 
@@ -109,7 +109,7 @@ def report(results_dir: Path, arms: Sequence[str] | None, figures: bool) -> int:
     summary = gather(results_dir, arms)
     sys.stdout.write(render_text(summary))
     if figures:
-        from align.eval.plots import write_report_files
+        from align.report.figures import write_report_files
 
         paths = ReportPaths.of(RunPaths.of(results_dir))
         written = write_report_files(summary, paths)

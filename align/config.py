@@ -15,17 +15,52 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
+from align.constants import DTYPES
 from align.exit_codes import ConfigError
 from align.receipts import hash_file, hash_json
-from align.topology import topology
 
 T = TypeVar("T")
-DTYPES = ("float32", "bfloat16", "float16")
-DTYPE_KEYS = ("dtype", "master_dtype", "reduce_dtype")
 TRUNCATION_POLICIES = ("prompt_left_response_right",)
 DATA_FORMATS = ("argilla", "steppairs", "pairs", "ultrafeedback")
+# The DPO loss variants align.losses.dpo implements; label smoothing applies to the first.
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+SMOOTHABLE_LOSSES = ("sigmoid",)
+
+
+class Check(NamedTuple):
+    """One rule a config section states about its own fields (key relative to the section)."""
+
+    key: str
+    value: Any
+    holds: bool
+    expected: str
+
+
+def one_of(key: str, value: Any, allowed: tuple[str, ...]) -> Check:
+    return Check(key, value, value in allowed, f"one of {allowed}")
+
+
+def at_least(key: str, value: int | None, low: int) -> Check:
+    """An integer >= low; None (unset) passes."""
+    return Check(key, value, value is None or value >= low, f"an integer >= {low}")
+
+
+def finite_number(key: str, value: float | None, low: float, strict: bool, what: str) -> Check:
+    """A finite number above `low` (or at it, unless strict); None (unset) passes."""
+    holds = value is None or (math.isfinite(value) and (value > low if strict else value >= low))
+    return Check(key, value, holds, what)
+
+
+def in_range(key: str, value: float, low: float, high: float, what: str, open_low=False) -> Check:
+    """low <= value <= high (low < value when open_low)."""
+    above = value > low if open_low else value >= low
+    return Check(key, value, above and value <= high, what)
+
+
+def positive_ints(section: Any, *keys: str) -> list[Check]:
+    return [at_least(key, getattr(section, key), 1) for key in keys]
 
 
 @dataclass
@@ -56,6 +91,20 @@ class DataConfig:
     merge_system_into_user: bool = False
     filters: FilterConfig = field(default_factory=FilterConfig)
 
+    def checks(self) -> list[Check]:
+        return [
+            one_of("format", self.format, DATA_FORMATS),
+            one_of("truncation", self.truncation, TRUNCATION_POLICIES),
+            at_least("seq_len", self.seq_len, 2),
+            in_range("held_fraction", self.held_fraction, 0, 1, "a fraction in (0, 1)", True),
+            Check(
+                "max_prompt_tokens",
+                self.max_prompt_tokens,
+                self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
+                "an integer >= 1 or none",
+            ),
+        ]
+
 
 @dataclass
 class ModelConfig:
@@ -72,6 +121,10 @@ class ModelConfig:
     # What gradients are summed across ranks in, before they are cast to master_dtype.
     reduce_dtype: str = "float32"
     attn_implementation: str = "sdpa"
+
+    def checks(self) -> list[Check]:
+        keys = ("dtype", "master_dtype", "reduce_dtype")
+        return [one_of(key, getattr(self, key), DTYPES) for key in keys]
 
 
 @dataclass
@@ -90,17 +143,46 @@ class RefConfig:
     share_prompt: bool = False
     slice_pairs: int = 128
 
+    def checks(self) -> list[Check]:
+        return [
+            one_of("dtype", self.dtype, DTYPES),
+            *positive_ints(self, "batch_size", "slice_pairs"),
+        ]
+
 
 @dataclass
 class DpoConfig:
-    """The objective: loss variant and its weights (see align.losses.dpo.DPOObjective)."""
+    """The objective: loss variant and its weights (align.losses.dpo.DPOObjective is built
+    from this section, and refuses what these checks refuse)."""
 
+    # The inverse temperature of the implicit reward beta x log(policy / reference).
     beta: float = 0.1
+    # One of DPO_LOSSES: sigmoid (DPO), ipo, hinge (SLiC).
     loss: str = "sigmoid"
+    # Conservative DPO: the label is taken as flipped with this probability (sigmoid only).
     label_smoothing: float = 0.0
+    # RPO: this weight x the chosen response's token-mean NLL is added to each pair's loss.
     rpo_alpha: float = 0.0
+    # Score per-token mean log-probs instead of sums (length-normalized DPO).
     length_normalize: bool = False
+    # R-DPO: this weight x (chosen tokens - rejected tokens) is subtracted from the margin.
     rdpo_alpha: float = 0.0
+
+    def checks(self) -> list[Check]:
+        smoothing = self.label_smoothing
+        return [
+            finite_number("beta", self.beta, 0, True, "a finite number > 0"),
+            one_of("loss", self.loss, DPO_LOSSES),
+            Check("label_smoothing", smoothing, 0 <= smoothing < 0.5, "a fraction in [0, 0.5)"),
+            Check(
+                "label_smoothing",
+                smoothing,
+                not smoothing or self.loss in SMOOTHABLE_LOSSES,
+                f"0 for loss {self.loss!r} (label smoothing applies to {SMOOTHABLE_LOSSES} only)",
+            ),
+            finite_number("rpo_alpha", self.rpo_alpha, 0, False, "a finite number >= 0"),
+            finite_number("rdpo_alpha", self.rdpo_alpha, 0, False, "a finite number >= 0"),
+        ]
 
 
 @dataclass
@@ -115,6 +197,9 @@ class OptimizerConfig:
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
+
+    def checks(self) -> list[Check]:
+        return [finite_number("lr", self.lr, 0, True, "a finite number > 0")]
 
 
 @dataclass
@@ -136,6 +221,27 @@ class BatchConfig:
     epochs: int = 1
     seed: int = 0
     share_prompt: bool = False
+
+    def checks(self) -> list[Check]:
+        ranks, per_node = self.world_size, self.gpus_per_node
+        product = ranks * self.micro_batch * self.grad_accum
+        return [
+            *positive_ints(self, "world_size", "micro_batch", "grad_accum", "global_batch"),
+            at_least("epochs", self.epochs, 1),
+            Check(
+                "gpus_per_node",
+                per_node,
+                per_node == 0 or (per_node >= 1 and (per_node >= ranks or ranks % per_node == 0)),
+                f"0 (the site's value) or a divisor of world_size = {ranks}",
+            ),
+            Check(
+                "global_batch",
+                self.global_batch,
+                product == self.global_batch,
+                f"world_size x micro_batch x grad_accum = {ranks} x {self.micro_batch} x "
+                f"{self.grad_accum} = {product}",
+            ),
+        ]
 
 
 @dataclass
@@ -182,6 +288,24 @@ class PreflightConfig:
     # CUDA context and NCCL buffers, outside torch's allocator (not in max_memory_allocated).
     cuda_context_mb: float = 1024.0
 
+    def checks(self) -> list[Check]:
+        return [
+            in_range(
+                "min_moved_fraction", self.min_moved_fraction, 0, 1, "a fraction in (0, 1]", True
+            ),
+            in_range(
+                "device_memory_fraction",
+                self.device_memory_fraction,
+                0,
+                1,
+                "a fraction in (0, 1]",
+                True,
+            ),
+            finite_number(
+                "device_memory_gb", self.device_memory_gb, 0, False, "a number of GB >= 0"
+            ),
+        ]
+
 
 @dataclass
 class TripwireResponse:
@@ -190,6 +314,13 @@ class TripwireResponse:
     lr: float | None = None
     beta: float | None = None
     rpo_alpha: float | None = None
+
+    def checks(self) -> list[Check]:
+        return [
+            finite_number("lr", self.lr, 0, True, "a finite number > 0"),
+            finite_number("beta", self.beta, 0, True, "a finite number > 0"),
+            finite_number("rpo_alpha", self.rpo_alpha, 0, False, "a finite number >= 0"),
+        ]
 
 
 @dataclass
@@ -204,6 +335,22 @@ class GenerationBandConfig:
     # Mean length within [length_low x the shorter, length_high x the longer reference].
     length_low: float = 0.5
     length_high: float = 1.5
+
+    def checks(self) -> list[Check]:
+        return [
+            in_range(
+                "min_terminated_vs_sft", self.min_terminated_vs_sft, 0, 1, "a fraction in [0, 1]"
+            ),
+            in_range(
+                "min_terminated_vs_chosen",
+                self.min_terminated_vs_chosen,
+                0,
+                1,
+                "a fraction in [0, 1]",
+            ),
+            in_range("length_low", self.length_low, 0, 1, "a factor in [0, 1]"),
+            finite_number("length_high", self.length_high, 1, False, "a factor >= 1"),
+        ]
 
 
 @dataclass
@@ -239,10 +386,30 @@ class TripwireConfig:
     disarmed: DisarmedWires = field(default_factory=DisarmedWires)
     response: TripwireResponse = field(default_factory=TripwireResponse)
 
+    def checks(self) -> list[Check]:
+        """Each disarmed wire states why; an armed wire has no reason."""
+        checks = positive_ints(
+            self, "generation_every_steps", "generation_prompts", "generation_max_new_tokens"
+        )
+        for wire in (f.name for f in dataclasses.fields(DisarmedWires)):
+            armed, reason = getattr(self, wire), getattr(self.disarmed, wire).strip()
+            expected = (
+                f"no reason while {wire} is armed (remove it, or set {wire} = false)"
+                if armed
+                else f"the reason {wire} = false disarms the wire, since none may go unexplained"
+            )
+            checks.append(Check(f"disarmed.{wire}", reason, armed != bool(reason), expected))
+        return checks
+
 
 @dataclass
 class EvalConfig:
+    """How held-out pairs are scored: pairs per forward."""
+
     batch_size: int = 32
+
+    def checks(self) -> list[Check]:
+        return positive_ints(self, "batch_size")
 
 
 @dataclass
@@ -269,6 +436,12 @@ class RunConfig:
     # Where node_memory_mb came from, for the preflight receipt.
     node_memory_source: str = ""
 
+    def checks(self) -> list[Check]:
+        return [
+            at_least("gpus_per_node", self.gpus_per_node, 0),
+            at_least("threads", self.threads, 1),
+        ]
+
 
 @dataclass
 class ArmConfig:
@@ -288,13 +461,24 @@ class ArmConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
+    def checks(self) -> list[Check]:
+        return [Check("arm", self.arm, bool(self.arm), "the arm's name (required)")]
+
 
 @dataclass
 class SftDataConfig:
+    """The SFT conversations: where they are, how they are cut and split."""
+
     files: list[str] = field(default_factory=list)
     seq_len: int = 512
     held_fraction: float = 0.1
     split_seed: int = 0
+
+    def checks(self) -> list[Check]:
+        return [
+            at_least("seq_len", self.seq_len, 2),
+            in_range("held_fraction", self.held_fraction, 0, 1, "a fraction in (0, 1)", True),
+        ]
 
 
 @dataclass
@@ -305,6 +489,18 @@ class SftGateConfig:
     generation_prompts: int = 8
     max_new_tokens: int = 32
     min_terminated_fraction: float = 1.0
+
+    def checks(self) -> list[Check]:
+        return [
+            *positive_ints(self, "generation_prompts", "max_new_tokens"),
+            in_range(
+                "min_terminated_fraction",
+                self.min_terminated_fraction,
+                0,
+                1,
+                "a fraction in [0, 1]",
+            ),
+        ]
 
 
 @dataclass
@@ -330,6 +526,12 @@ class PairedEvalConfig:
     seed: int = 0
     confidence: float = 0.95
 
+    def checks(self) -> list[Check]:
+        return [
+            at_least("n_boot", self.n_boot, 1),
+            Check("confidence", self.confidence, 0 < self.confidence < 1, "a fraction in (0, 1)"),
+        ]
+
 
 @dataclass
 class LengthProbeConfig:
@@ -338,6 +540,9 @@ class LengthProbeConfig:
     prompts: int = 16
     max_new_tokens: int = 48
     band: GenerationBandConfig = field(default_factory=GenerationBandConfig)
+
+    def checks(self) -> list[Check]:
+        return positive_ints(self, "prompts", "max_new_tokens")
 
 
 @dataclass
@@ -552,109 +757,21 @@ def apply_overrides(cfg: Any, tokens: list[str], where: str) -> dict[str, Any]:
 
 
 def validate(cfg: Any, where: str) -> None:
-    """Cross-field checks that no type annotation expresses."""
-    for dotted, value in _walk(cfg):
-        leaf = dotted.rsplit(".", 1)[-1]
-        if leaf in DTYPE_KEYS and value not in DTYPES:
-            raise ConfigError(f"{where}: key {dotted!r} expected one of {DTYPES}, found {value!r}")
-    if isinstance(cfg, ArmConfig):
-        if not cfg.arm:
-            raise ConfigError(f"{where}: key 'arm' is required")
-        if cfg.data.format not in DATA_FORMATS:
-            raise ConfigError(
-                f"{where}: key 'data.format' expected one of {DATA_FORMATS}, found {cfg.data.format!r}"
-            )
-        if cfg.data.truncation not in TRUNCATION_POLICIES:
-            raise ConfigError(
-                f"{where}: key 'data.truncation' expected one of {TRUNCATION_POLICIES}, "
-                f"found {cfg.data.truncation!r}"
-            )
-        budget = cfg.data.max_prompt_tokens
-        if budget is not None and budget < 1:
-            raise ConfigError(
-                f"{where}: key 'data.max_prompt_tokens' expected an integer >= 1 or none, "
-                f"found {budget!r}"
-            )
-        check_disarmed_reasons(cfg.tripwires, where)
-    for dotted, value, ok, expected in _ranges(cfg):
-        if not ok:
-            raise ConfigError(f"{where}: key {dotted!r} expected {expected}, found {value!r}")
-    batch = getattr(cfg, "batch", None)
-    if batch is not None:
-        topology(batch.world_size, batch.gpus_per_node)
-        product = batch.world_size * batch.micro_batch * batch.grad_accum
-        if product != batch.global_batch:
-            raise ConfigError(
-                f"{where}: batch topology world_size x micro_batch x grad_accum = "
-                f"{batch.world_size} x {batch.micro_batch} x {batch.grad_accum} = {product}, "
-                f"expected global_batch {batch.global_batch}"
-            )
+    """Every section's own checks (`checks()`), refused at the first that fails, named by its
+    dotted key."""
+    for prefix, section in sections(cfg):
+        for check in getattr(section, "checks", list)():
+            if not check.holds:
+                raise ConfigError(
+                    f"{where}: key {prefix + check.key!r} expected {check.expected}, "
+                    f"found {check.value!r}"
+                )
 
 
-def check_disarmed_reasons(wires: TripwireConfig, where: str) -> None:
-    """Each disarmed wire states why in [tripwires.disarmed]; an armed wire has no reason."""
-    for wire in (f.name for f in dataclasses.fields(DisarmedWires)):
-        armed, reason = getattr(wires, wire), getattr(wires.disarmed, wire).strip()
-        if not armed and not reason:
-            raise ConfigError(
-                f"{where}: key 'tripwires.{wire}' is false but 'tripwires.disarmed.{wire}' "
-                "gives no reason; a pre-registration that disarms a wire must say why"
-            )
-        if armed and reason:
-            raise ConfigError(
-                f"{where}: key 'tripwires.disarmed.{wire}' gives a reason, but "
-                f"'tripwires.{wire}' is armed; remove the reason or disarm the wire"
-            )
-
-
-POSITIVE_INTS = (
-    "world_size",
-    "micro_batch",
-    "grad_accum",
-    "global_batch",
-    "epochs",
-    "threads",
-    "batch_size",
-    "slice_pairs",
-    "generation_every_steps",
-    "generation_prompts",
-    "generation_max_new_tokens",
-)
-FRACTIONS = ("min_terminated_vs_sft", "min_terminated_vs_chosen")
-
-
-def _ranges(cfg: Any):
-    """(key, value, in range, what was expected) for every range-checked leaf."""
-    for dotted, value in _walk(cfg):
-        leaf = dotted.rsplit(".", 1)[-1]
-        if value is None:
-            continue
-        if leaf in POSITIVE_INTS:
-            yield dotted, value, value >= 1, "an integer >= 1"
-        elif leaf == "seq_len":
-            yield dotted, value, value >= 2, "an integer >= 2"
-        elif leaf == "held_fraction":
-            yield dotted, value, 0.0 < value < 1.0, "a fraction in (0, 1)"
-        elif leaf in ("lr", "beta"):
-            yield dotted, value, math.isfinite(value) and value > 0, "a finite number > 0"
-        elif leaf in FRACTIONS:
-            yield dotted, value, 0.0 <= value <= 1.0, "a fraction in [0, 1]"
-        elif leaf == "length_low":
-            yield dotted, value, 0.0 <= value <= 1.0, "a factor in [0, 1]"
-        elif leaf == "length_high":
-            yield dotted, value, value >= 1.0, "a factor >= 1"
-        elif leaf in ("min_moved_fraction", "device_memory_fraction"):
-            yield dotted, value, 0.0 < value <= 1.0, "a fraction in (0, 1]"
-        elif leaf == "gpus_per_node":
-            yield dotted, value, value >= 0, "an integer >= 0"
-        elif leaf == "device_memory_gb":
-            yield dotted, value, math.isfinite(value) and value >= 0, "a number of GB >= 0"
-
-
-def _walk(obj: Any, prefix: str = ""):
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
+def sections(cfg: Any, prefix: str = ""):
+    """(dotted prefix, section) of `cfg` and every dataclass nested in it, outermost first."""
+    yield prefix, cfg
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            yield from _walk(value, f"{prefix}{f.name}.")
-        else:
-            yield prefix + f.name, value
+            yield from sections(value, f"{prefix}{f.name}.")

@@ -24,6 +24,11 @@ FIRST_RUN, RERUN = "first", "rerun"
 TRAINING_RUNS = (FIRST_RUN, RERUN)
 
 
+def metrics_in(run_dir: str | Path) -> Path:
+    """The training run's metrics, one JSON line per optimizer step."""
+    return Path(run_dir) / "metrics.jsonl"
+
+
 def stop_marker_in(run_dir: str | Path) -> Path:
     """Where a training run that stopped cleanly (checkpoint saved) tells its launcher to
     exit 75, and its retry what it resumes after."""
@@ -200,7 +205,7 @@ class ArmPaths:
 
     @property
     def metrics(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
+        return metrics_in(self.run_dir)
 
     def training_run_dir(self, run: str) -> Path:
         """The DPO stage's first run trains in run_dir, its one pre-registered rerun under it."""
@@ -210,6 +215,54 @@ class ArmPaths:
 
     def training_run_metrics(self, run: str) -> Path:
         return self.training_run_dir(run) / self.metrics.name
+
+
+@dataclass(frozen=True)
+class SelectionPaths:
+    """The selection's working files beside selection.json: the eval set and the run dir."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, paths: RunPaths) -> SelectionPaths:
+        return cls(paths.selection.with_suffix(""))
+
+    @property
+    def eval_set(self) -> Path:
+        return self.root / "eval_pairs.safetensors"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "run"
+
+
+ARM_FIGURES = ("training", "tripwires", "probe")
+RUN_FIGURES = ("held_out", "paired")
+
+
+@dataclass(frozen=True)
+class ReportPaths:
+    """The report's figures and summary page under results/report/."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, paths: RunPaths) -> ReportPaths:
+        return cls(paths.results / "report")
+
+    def arm_figure(self, arm: str, name: str) -> Path:
+        if name not in ARM_FIGURES:
+            raise ValueError(f"arm figure must be one of {ARM_FIGURES}, got {name!r}")
+        return self.root / arm / f"{name}.png"
+
+    def run_figure(self, name: str) -> Path:
+        if name not in RUN_FIGURES:
+            raise ValueError(f"run figure must be one of {RUN_FIGURES}, got {name!r}")
+        return self.root / f"{name}.png"
+
+    @property
+    def summary_html(self) -> Path:
+        return self.root / "summary.html"
 
 
 def _covers(place: str, path: Path) -> bool:

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from align.model.weights_hash import read_safetensors_header
+from align.utils.weights_hash import read_safetensors_header
 
 REPO = Path(__file__).resolve().parents[1]
 DPO = REPO / "workflow" / "scripts" / "dpo.py"

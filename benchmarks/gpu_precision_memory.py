@@ -29,8 +29,9 @@ from align.model.mistral import NmoMistralForCausalLM
 from align.train.fsdp import apply_fsdp
 from align.train.memory import projected_device_memory
 from align.train.optim import build_optimizer
-from align.train.precision import TORCH_DTYPES, Precision, mixed_precision_policy, verify_precision
+from align.train.precision import Precision, mixed_precision_policy, verify_precision
 from align.utils.dist import destroy_distributed, init_distributed
+from align.utils.dtypes import TORCH_DTYPES
 
 MISTRAL_7B = {
     "vocab_size": 32000,

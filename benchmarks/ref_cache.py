@@ -5,7 +5,7 @@ Builds a Mistral a few times larger than the embedded tiny default (by default H
 synthetic default data: 518 with the defaults) and a shard of random pairs, then
 measures, on one process:
 
-  precompute  tokens/s of the resumable precompute (align.train.ref_precompute: slices,
+  precompute  tokens/s of the resumable precompute (align.stages.ref_precompute: slices,
               part files, merge), next to plain scoring of the same rows in one pass
               (align.eval.preference.score_pairs), so the cost of resumability shows
   dpo step    optimizer-step time of the real Trainer (DpoAdapter, AdamW) with the
@@ -47,9 +47,9 @@ from align.eval.preference import score_pairs
 from align.losses.dpo import DPOObjective
 from align.model.tiny import make_tiny_model
 from align.model.tokenizer import train_bpe_tokenizer
+from align.stages.ref_precompute import precompute_ref_caches
 from align.train.adapters import DpoAdapter
 from align.train.ref_cache import expected_key, ref_forward_impl
-from align.train.ref_precompute import precompute_ref_caches
 from align.train.session import build_trainer, load_policy, start_session
 
 

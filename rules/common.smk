@@ -14,15 +14,16 @@ from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
 from align.exit_codes import ConfigError
 from align.topology import Topology, topology
 from align.train.memory import job_shape, projected_job_rss
-from align.eval.selection import SelectionPaths
 from align.model.checkpoint_files import checkpoint_files, planned_checkpoint_files
-from align.paths import SPLITS, RunPaths
+from align.paths import SPLITS, ReportPaths, RunPaths, SelectionPaths
 from align.receipts import read_json
-from align.report import ReportPaths, selection_labels
+from align.report.summary import selection_labels
 from align.train.path_bias import required_forward_impl
 from align.train.ref_cache import parse_forward_impl, ref_forward_impl
 
 PATHS = RunPaths.of(config["results_dir"])
+# Every arm's paths with the {arm} wildcard in place of its name: the rules' outputs.
+ANY_ARM = PATHS.arm("{arm}")
 ARMS = list(config["arms"])
 SCRIPTS = Path(workflow.basedir) / "workflow" / "scripts"
 SFT_TOML = str(Path(workflow.basedir) / config["sft_config"])
@@ -446,7 +447,7 @@ def projected_mem_mb(stage, cfg, layout, checkpoint, shards=lambda wildcards: ()
 
 
 # What the preflight will project for the probe and dpo jobs (the dpo stage's shape, as
-# align.train.stage_gates projects it), while no preflight receipt exists to read it from.
+# align.stages.gates projects it), while no preflight receipt exists to read it from.
 preflight_mem_mb = projected_mem_mb(
     "dpo", arm_cfg_of, arm_layout, sft_checkpoint(), lambda w: arm_shards(w.arm)
 )

@@ -2,11 +2,11 @@ rule preflight:
     """RSS projection of the job for the optimizer it runs, against its node (exit 6)."""
     input:
         script=SCRIPTS / "preflight.py",
-        path_bias=PATHS.results / "{arm}" / "path_bias.json",
+        path_bias=ANY_ARM.path_bias,
         caches=caches_in_use,
         config=lambda w: arm_toml(w.arm),
     output:
-        PATHS.results / "{arm}" / "preflight.json",
+        ANY_ARM.preflight,
     log:
         PATHS.log("preflight", "{arm}"),
     benchmark:
@@ -24,12 +24,12 @@ rule probe:
     """Real micro-steps on the real topology: step time, tokens/s, peak memory, wall-clock."""
     input:
         script=SCRIPTS / "dpo.py",
-        preflight=PATHS.results / "{arm}" / "preflight.json",
+        preflight=ANY_ARM.preflight,
         caches=caches_in_use,
         config=lambda w: arm_toml(w.arm),
         kernel=kernel_receipts,
     output:
-        PATHS.results / "{arm}" / "probe.json",
+        ANY_ARM.probe,
     log:
         PATHS.log("probe", "{arm}"),
     benchmark:
@@ -55,12 +55,12 @@ rule dpo:
     """Re-check every gate, train the arm against the cache in use, evaluate held-out."""
     input:
         script=SCRIPTS / "dpo.py",
-        probe=PATHS.results / "{arm}" / "probe.json",
+        probe=ANY_ARM.probe,
         caches=caches_in_use,
         config=lambda w: arm_toml(w.arm),
         kernel=kernel_receipts,
     output:
-        PATHS.results / "{arm}" / "arm_result.json",
+        ANY_ARM.arm_result,
     log:
         PATHS.log("dpo", "{arm}"),
     benchmark:

@@ -12,9 +12,9 @@ rule ref_cache:
         config=lambda w: arm_toml(w.arm),
         kernel=kernel_receipts,
     output:
-        train=PATHS.results / "{arm}" / "ref" / "{forward_impl}" / "train.safetensors",
-        held=PATHS.results / "{arm}" / "ref" / "{forward_impl}" / "held.safetensors",
-        receipt=PATHS.results / "{arm}" / "ref" / "{forward_impl}" / "receipt.json",
+        train=ANY_ARM.ref_cache("{forward_impl}", "train"),
+        held=ANY_ARM.ref_cache("{forward_impl}", "held"),
+        receipt=ANY_ARM.ref_receipt("{forward_impl}"),
     log:
         PATHS.log("ref_cache", "{arm}-{forward_impl}"),
     benchmark:
@@ -45,7 +45,7 @@ checkpoint path_bias:
         config=lambda w: arm_toml(w.arm),
         kernel=kernel_receipts,
     output:
-        PATHS.results / "{arm}" / "path_bias.json",
+        ANY_ARM.path_bias,
     log:
         PATHS.log("path_bias", "{arm}"),
     benchmark:

@@ -25,9 +25,7 @@ rule sft:
         slurm_extra=pre_timeout_signal(unmeasured_stop_window_s),
     params:
         run=RUN_OVERRIDES,
-        launch=launcher(
-            sft_layout, stop_marker=lambda w: PATHS.sft_stop_marker
-        ),
+        launch=launcher(sft_layout, stop_marker=lambda w: PATHS.sft_stop_marker),
         rank_threads=layout_rank_threads(sft_layout),
     shell:
         "exec {params.launch} {input.script} {input.config} {params.run}"

@@ -25,7 +25,7 @@ from align.model.checkpoint import (
 )
 from align.model.hf_config import MistralConfig, load_hf_config
 from align.model.mistral import NmoMistralForCausalLM
-from align.model.weights_hash import weights_hash
+from align.utils.weights_hash import weights_hash
 
 # These matrices are tiny: thread hand-offs would cost far more than the arithmetic.
 torch.set_num_threads(1)
@@ -385,7 +385,7 @@ def test_importing_align_model_does_not_import_torch():
     code = (
         "import align.model, sys; assert 'torch' not in sys.modules; "
         "align.model.MistralConfig; align.model.load_hf_config; "
-        "from align.model import weights_hash; assert 'torch' not in sys.modules"
+        "from align.utils import weights_hash; assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

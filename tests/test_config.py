@@ -75,7 +75,7 @@ def test_every_shipped_pre_registration_arms_every_wire(path):
 @pytest.mark.parametrize("wire", WIRES)
 def test_a_disarmed_wire_without_a_reason_is_refused(wire):
     message = refused(ARGILLA, ArmConfig, [f"--tripwires.{wire}=false"])
-    assert f"'tripwires.{wire}' is false but 'tripwires.disarmed.{wire}' gives no reason" in message
+    assert f"key 'tripwires.disarmed.{wire}' expected the reason {wire} = false disarms" in message
     assert str(ARGILLA) in message
 
 
@@ -84,9 +84,7 @@ def test_a_disarmed_wire_with_a_reason_loads_and_a_reason_for_an_armed_wire_is_r
     cfg = load_config(ARGILLA, ArmConfig, ["--tripwires.collapse=false", reason]).cfg
     assert cfg.tripwires.collapse is False
     message = refused(ARGILLA, ArmConfig, [reason])
-    assert (
-        "'tripwires.disarmed.collapse' gives a reason, but 'tripwires.collapse' is armed" in message
-    )
+    assert "key 'tripwires.disarmed.collapse' expected no reason while collapse is armed" in message
 
 
 @pytest.mark.parametrize(
@@ -288,15 +286,14 @@ def test_override_does_not_touch_the_file_or_its_hash():
 
 def test_batch_topology_mismatch_is_refused_with_the_numbers():
     message = refused(ARGILLA, ArmConfig, ["--global_batch=32"])
-    assert "2 x 4 x 2 = 16" in message
-    assert "global_batch 32" in message
+    assert "key 'batch.global_batch' expected world_size x micro_batch x grad_accum" in message
+    assert "2 x 4 x 2 = 16, found 32" in message
 
 
 def test_batch_topology_mismatch_in_the_file_is_refused(tmp_path):
     path = edited_copy(tmp_path, "grad_accum = 1", "grad_accum = 2", SFT)
     message = refused(path, SftConfig)
-    assert "2 x 16 x 2 = 64" in message
-    assert "global_batch 32" in message
+    assert "2 x 16 x 2 = 64, found 32" in message
 
 
 def test_consistent_topology_override_is_accepted():
@@ -314,6 +311,44 @@ def test_bad_dtype_is_refused(token):
 
 def test_bad_data_format_is_refused():
     assert "'data.format'" in refused(ARGILLA, ArmConfig, ["--data.format=csv"])
+
+
+@pytest.mark.parametrize(
+    "token, key, expected",
+    [
+        ("--dpo.loss=kto", "dpo.loss", "one of ('sigmoid', 'ipo', 'hinge')"),
+        ("--dpo.beta=0", "dpo.beta", "a finite number > 0"),
+        ("--dpo.label_smoothing=0.5", "dpo.label_smoothing", "a fraction in [0, 0.5)"),
+        ("--dpo.rpo_alpha=-0.1", "dpo.rpo_alpha", "a finite number >= 0"),
+        ("--dpo.rdpo_alpha=inf", "dpo.rdpo_alpha", "a finite number >= 0"),
+        ("--tripwires.response.beta=-1", "tripwires.response.beta", "a finite number > 0"),
+        ("--run.threads=0", "run.threads", "an integer >= 1"),
+        ("--ref.slice_pairs=0", "ref.slice_pairs", "an integer >= 1"),
+    ],
+)
+def test_each_section_refuses_its_own_out_of_range_field(token, key, expected):
+    message = refused(ARGILLA, ArmConfig, [token])
+    assert f"key {key!r} expected {expected}, found" in message, message
+
+
+def test_ranks_per_node_that_do_not_divide_the_world_are_refused():
+    message = refused(ARGILLA, ArmConfig, ["--batch.world_size=3", "--batch.gpus_per_node=2"])
+    assert "key 'batch.gpus_per_node' expected 0 (the site's value) or a divisor of " in message
+    assert "world_size = 3, found 2" in message
+
+
+def test_label_smoothing_is_refused_for_a_loss_it_does_not_apply_to():
+    message = refused(ARGILLA, ArmConfig, ["--dpo.loss=ipo", "--dpo.label_smoothing=0.1"])
+    assert "key 'dpo.label_smoothing' expected 0 for loss 'ipo'" in message
+
+
+def test_a_field_named_like_a_checked_one_in_another_section_is_not_checked_by_its_name():
+    # eval.batch_size and ref.batch_size are each their own section's; the SFT gate's
+    # fraction may be 0 while a band's may not exceed 1.
+    cfg = load_config(SFT, SftConfig, ["--gate.min_terminated_fraction=0.0"]).cfg
+    assert cfg.gate.min_terminated_fraction == 0.0
+    message = refused(SFT, SftConfig, ["--gate.min_terminated_fraction=1.5"])
+    assert "key 'gate.min_terminated_fraction' expected a fraction in [0, 1]" in message
 
 
 def test_missing_arm_name_is_refused(tmp_path):
@@ -353,8 +388,10 @@ LIGHT_MODULES = [
     "align.config",
     "align.receipts",
     "align.paths",
-    "align.stage",
-    "align.train.stage_gates",
+    "align.stages.entry",
+    "align.stages.select",
+    "align.report.summary",
+    "align.stages.gates",
     "align.train.ref_cache",
 ]
 

@@ -59,7 +59,7 @@ from align.receipts import (
     read_json,
     write_json_atomic,
 )
-from align.train import stage_gates
+from align.stages import gates
 
 ARMS = Path(__file__).resolve().parents[1] / "config" / "arms"
 
@@ -1398,7 +1398,7 @@ def test_manifest_records_the_pins(default_workdir, default_build):
 def gate_entry(workdir: Path, arm: str, *overrides: str, checkpoint: Path | None = None):
     cfg = load_config(ARMS / f"{arm}.toml", ArmConfig, list(overrides)).cfg
     checkpoint = checkpoint or workdir / "resources" / "tiny" / "tokenizer"
-    return stage_gates.manifest_entry(RunPaths.of(workdir / "results"), cfg, checkpoint)
+    return gates.manifest_entry(RunPaths.of(workdir / "results"), cfg, checkpoint)
 
 
 def refusal(workdir: Path, *args, **kwargs) -> str:
@@ -1412,8 +1412,8 @@ def test_manifest_gate_passes_the_preregistered_build(default_workdir, default_b
     monkeypatch.chdir(default_workdir)
     for arm in ("argilla", "steppairs"):
         entry = gate_entry(default_workdir, arm)
-        assert entry["counts"] == default_build["arms"][arm]["counts"]
-        assert entry["pins"] == default_build["pins"]
+        assert entry.counts == default_build["arms"][arm]["counts"]
+        assert entry.pins == default_build["pins"]
 
 
 @pytest.mark.parametrize(
@@ -1507,7 +1507,7 @@ def test_preregister_write_fixes_counts_the_manifest_gate_then_passes(
         if "preregister" not in line and "expected_" not in line
     ] == kept
     cfg = load_config(toml, ArmConfig).cfg
-    stage_gates.manifest_entry(RunPaths.of(default_workdir / "results"), cfg, checkpoint)
+    gates.manifest_entry(RunPaths.of(default_workdir / "results"), cfg, checkpoint)
 
 
 def test_manifest_gate_refuses_another_truncation_policy(

@@ -10,9 +10,10 @@ import pytest
 import torch
 from tiny_models import tiny_mistral_config
 
+from align.config import DPO_LOSSES, DpoConfig
 from align.data.loader import TokenBatch
 from align.eval.logprobs import full_logits_sequence_logps as sequence_logps
-from align.losses.dpo import LOSSES, DPOObjective, dpo_objective
+from align.losses.dpo import _PAIR_LOSSES, DPOObjective, dpo_objective
 from align.losses.fused import (
     IGNORE_INDEX,
     ChunkedLabelLogps,
@@ -321,7 +322,9 @@ def test_each_variant_follows_its_formula():
 
 
 def test_unknown_or_invalid_objectives_raise():
-    with pytest.raises(ValueError, match=", ".join(LOSSES)):
+    with pytest.raises(
+        ValueError, match=r"dpo\.loss expected one of \('sigmoid', 'ipo', 'hinge'\)"
+    ):
         DPOObjective(beta=0.1, loss="kto")
     with pytest.raises(ValueError, match="label_smoothing"):
         DPOObjective(beta=0.1, loss="ipo", label_smoothing=0.1)
@@ -331,6 +334,18 @@ def test_unknown_or_invalid_objectives_raise():
         DPOObjective(beta=0.0)
     with pytest.raises(ValueError, match="rpo_alpha"):
         DPOObjective(beta=0.1, rpo_alpha=-1.0)
+
+
+def test_every_loss_the_config_accepts_has_a_formula_and_no_other():
+    assert tuple(_PAIR_LOSSES) == DPO_LOSSES
+
+
+def test_the_objective_is_built_from_its_config_section_field_for_field():
+    section = DpoConfig(beta=0.3, loss="ipo", rpo_alpha=0.2, length_normalize=True, rdpo_alpha=0.1)
+    assert [f.name for f in dataclasses.fields(DPOObjective)] == [
+        f.name for f in dataclasses.fields(DpoConfig)
+    ]
+    assert dataclasses.asdict(DPOObjective.of(section)) == dataclasses.asdict(section)
 
 
 def test_bad_inputs_raise():

@@ -19,10 +19,10 @@ from safetensors.numpy import load_file
 
 from align.config import ArmConfig, load_config
 from align.exit_codes import GATE_REFUSED, PREFLIGHT_REFUSED
-from align.model.weights_hash import file_tensors_hash, read_safetensors_header
 from align.paths import SPLITS, RunPaths
 from align.receipts import hash_file, read_json
 from align.train.ref_cache import TENSORS_HASH, read_cache_key, ref_forward_impl, write_ref_cache
+from align.utils.weights_hash import file_tensors_hash, read_safetensors_header
 
 REPO = Path(__file__).resolve().parents[1]
 DPO = REPO / "workflow" / "scripts" / "dpo.py"

@@ -27,10 +27,10 @@ from align.model.checkpoint_files import (
 )
 from align.model.hf_config import load_hf_config
 from align.model.tokenizer import PAD_FROM_EOS, load_tokenizer
-from align.model.weights_hash import checkpoint_tensors
 from align.paths import RunPaths
 from align.receipts import PASSED, load_receipt, read_json
 from align.train.memory import checkpoint_bytes
+from align.utils.weights_hash import checkpoint_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 HUB_CONFIGS = REPO / "tests" / "configs" / "hub"

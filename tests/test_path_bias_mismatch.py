@@ -29,15 +29,14 @@ from align.config import ArmConfig, RefConfig, RunConfig, apply_overrides
 from align.data.loader import PairShard
 from align.eval.logprobs import sequence_logps_and_counts
 from align.exit_codes import GATE_REFUSED, AlignError
-from align.losses.dpo import dpo_objective
-from align.model.weights_hash import read_safetensors_header
+from align.losses.dpo import DPOObjective, dpo_objective
 from align.paths import SPLITS, RunPaths
 from align.receipts import load_receipt, read_json
-from align.train.dpo_stage import dpo_objective_of
+from align.stages.ref_precompute import precompute_ref_caches, run_path_bias
 from align.train.path_bias import ACCEPT, RECOMPUTE, required_forward_impl
 from align.train.ref_cache import expected_key, load_ref_cache, read_cache_key
-from align.train.ref_precompute import precompute_ref_caches, run_path_bias
 from align.train.session import load_policy, start_session
+from align.utils.weights_hash import read_safetensors_header
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -111,7 +110,7 @@ def assert_step0_losses_are_ln2(tiny: dict, cfg: ArmConfig) -> None:
     ref_chosen, ref_rejected = map(
         torch.from_numpy, load_ref_cache(tiny["cache"], tiny["key"], shard.pair_ids)
     )
-    objective = dpo_objective_of(cfg.dpo)
+    objective = DPOObjective.of(cfg.dpo)
     losses = []
     for start in range(0, len(shard), cfg.batch.micro_batch):
         rows = np.arange(start, min(start + cfg.batch.micro_batch, len(shard)))

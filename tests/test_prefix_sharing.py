@@ -9,6 +9,7 @@ import torch
 from tiny_models import tiny_mistral_config
 
 from align.config import BatchConfig
+from align.constants import IGNORE_INDEX
 from align.data.loader import (
     PairShard,
     SftShard,
@@ -19,7 +20,6 @@ from align.data.shards import PAIR_FORMAT, write_shard
 from align.eval.logprobs import full_logits_sequence_logps, sequence_logps_and_counts
 from align.exit_codes import ConfigError
 from align.losses.dpo import DPOObjective, dpo_objective
-from align.losses.fused import IGNORE_INDEX
 from align.model.mistral import NmoMistralForCausalLM, build_segment_mask
 from align.model.tiny import initialize_weights
 from align.train.session import check_shard_layout

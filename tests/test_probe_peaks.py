@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from align.train.dpo_stage import job_peaks
+from align.stages.dpo import job_peaks
 from align.train.probes import probe_figures
 
 PEAKS_MB = (100.0, 300.0)

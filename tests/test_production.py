@@ -16,8 +16,8 @@ from conftest import production_checkout, run_snakemake, stand_in_apptainer
 from snakemake.utils import validate
 
 from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
+from align.stages.gates import preflight_projection
 from align.train.memory import job_shape, projected_job_rss
-from align.train.stage_gates import preflight_projection
 
 REPO = Path(__file__).resolve().parents[1]
 PRODUCTION = REPO / "config" / "production"

@@ -17,7 +17,6 @@ from align.data.synthetic import default_texts, write_default_data
 from align.exit_codes import GATE_REFUSED, GateRefused
 from align.model.tiny import make_tiny_model
 from align.model.tokenizer import TOKENIZER_FILE, train_bpe_tokenizer
-from align.model.weights_hash import file_tensors_hash, read_safetensors_header
 from align.train.ref_cache import (
     CACHE_FORMAT,
     KEY_COMPONENTS,
@@ -32,6 +31,7 @@ from align.train.ref_cache import (
     read_cache_key,
     write_ref_cache,
 )
+from align.utils.weights_hash import file_tensors_hash, read_safetensors_header
 
 # The tiny model is built on CPU; one thread avoids hand-off overhead on this small work.
 torch.set_num_threads(1)

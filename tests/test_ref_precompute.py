@@ -1,4 +1,4 @@
-"""The resumable, multi-rank reference precompute (align.train.ref_precompute).
+"""The resumable, multi-rank reference precompute (align.stages.ref_precompute).
 
 A precompute SIGKILLed after some slices and restarted under the same key, and one
 run on two gloo ranks, both write the cache byte for byte as one uninterrupted
@@ -21,19 +21,19 @@ from tiny_pairs import write_tiny_pairs
 
 from align.config import RefConfig, RunConfig
 from align.exit_codes import AlignError
+from align.stages.ref_precompute import (
+    merge_parts,
+    precompute_ref_caches,
+    reusable_parts,
+    slice_rows,
+    slice_size,
+)
 from align.train.ref_cache import (
     expected_key,
     load_ref_cache,
     part_path,
     parts_dir,
     write_cache_part,
-)
-from align.train.ref_precompute import (
-    merge_parts,
-    precompute_ref_caches,
-    reusable_parts,
-    slice_rows,
-    slice_size,
 )
 
 torch.set_num_threads(1)

@@ -20,11 +20,11 @@ from conftest import run_snakemake
 from PIL import Image
 
 from align import cli
-from align.eval.plots import FIGURE_PIXELS
-from align.paths import RunPaths
+from align.paths import ARM_FIGURES, RUN_FIGURES, ReportPaths, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, write_json_atomic
-from align.report import ARM_FIGURES, RUN_FIGURES, ReportPaths, gather, render_text
-from align.report import selection_labels as labels_of
+from align.report.figures import FIGURE_PIXELS
+from align.report.summary import gather, render_text
+from align.report.summary import selection_labels as labels_of
 
 REPO = Path(__file__).resolve().parents[1]
 ARMS = ("argilla", "steppairs", "ultra", "tripped")

@@ -14,8 +14,6 @@ import torch
 from tiny_models import TINY_SIZES
 
 from align.config import GenerationBandConfig, PairedEvalConfig, SelectionConfig, load_config
-from align.eval import paired
-from align.eval import selection as sel
 from align.eval.generation import generation_prompts
 from align.eval.sanity import GenerationBand
 from align.exit_codes import GATE_REFUSED, ConfigError, GateRefused
@@ -29,6 +27,8 @@ from align.receipts import (
     read_json,
     write_json_atomic,
 )
+from align.stages import paired
+from align.stages import select as sel
 
 torch.set_num_threads(1)
 
@@ -466,10 +466,10 @@ def test_a_pre_registration_the_rule_cannot_use_is_refused(edit, arms, message):
 
 
 def test_a_zero_bootstrap_count_and_an_unknown_key_are_refused(tmp_path):
-    cfg = SelectionConfig(default_arm="a", paired=PairedEvalConfig(n_boot=0))
-    with pytest.raises(ConfigError, match=r"'paired\.n_boot' expected an integer >= 1"):
-        sel.check_selection_config(cfg, ["a"], "selection.toml")
     toml = tmp_path / "selection.toml"
+    toml.write_text('rule = "paired_accuracy"\n[paired]\nn_boot = 0\n')
+    with pytest.raises(ConfigError, match=r"'paired\.n_boot' expected an integer >= 1"):
+        load_config(toml, SelectionConfig)
     toml.write_text('rule = "paired_accuracy"\n[paired]\nnboot = 5\n')
     with pytest.raises(ConfigError, match=r"unknown key 'paired\.nboot'"):
         load_config(toml, SelectionConfig)
@@ -513,7 +513,7 @@ def fabricated_run(tmp_path_factory) -> Path:
     from align.data.shards import PAIR_FORMAT, write_shard
     from align.model.tiny import make_tiny_model
     from align.model.tokenizer import load_tokenizer, train_bpe_tokenizer
-    from align.model.weights_hash import weights_hash
+    from align.utils.weights_hash import weights_hash
 
     work = tmp_path_factory.mktemp("selection_run")
     paths = RunPaths.of("results")

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from align.model.checkpoint import load_pretrained
 from align.model.hf_config import load_hf_config
 from align.model.tiny import make_tiny_model
-from align.model.weights_hash import weights_hash
+from align.utils.weights_hash import weights_hash
 
 # These matrices are tiny: thread hand-offs would cost far more than the arithmetic.
 torch.set_num_threads(1)

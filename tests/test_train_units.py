@@ -170,7 +170,9 @@ def test_sampler_refuses_fewer_rows_than_micro_batches_of_a_step():
 def test_dpo_loss_at_policy_equal_reference_is_log2_with_zero_rewards():
     logps = torch.tensor([-3.5, -12.25, -0.5, -40.0])
     other = torch.tensor([-4.0, -1.0, -7.5, -39.0])
-    losses, chosen_r, rejected_r = dpo_losses(logps, other, logps.clone(), other.clone(), beta=0.1)
+    losses, chosen_r, rejected_r = dpo_losses(
+        logps, other, logps.clone(), other.clone(), DPOObjective(beta=0.1)
+    )
     assert torch.equal(losses, torch.full_like(losses, math.log(2)))
     assert torch.equal(chosen_r, torch.zeros(4))
     assert torch.equal(rejected_r, torch.zeros(4))
@@ -180,7 +182,7 @@ def test_dpo_gradient_raises_chosen_and_lowers_rejected():
     policy_c = torch.tensor([-3.0, -5.0, -1.0], requires_grad=True)
     policy_r = torch.tensor([-2.0, -6.0, -9.0], requires_grad=True)
     ref_c, ref_r = torch.tensor([-3.5, -4.0, -2.0]), torch.tensor([-2.5, -6.5, -8.0])
-    losses, _, _ = dpo_losses(policy_c, policy_r, ref_c, ref_r, beta=0.5)
+    losses, _, _ = dpo_losses(policy_c, policy_r, ref_c, ref_r, DPOObjective(beta=0.5))
     losses.sum().backward()
     # Gradient descent moves against the gradient: chosen up, rejected down.
     assert (policy_c.grad < 0).all()
@@ -194,7 +196,7 @@ def test_dpo_loss_and_rewards_match_the_formula():
         torch.tensor([-3.0]),
         torch.tensor([-2.0]),
         torch.tensor([-2.0]),
-        beta=0.5,
+        DPOObjective(beta=0.5),
     )
     assert chosen_r.item() == pytest.approx(0.5)
     assert rejected_r.item() == pytest.approx(-0.5)
@@ -202,10 +204,8 @@ def test_dpo_loss_and_rewards_match_the_formula():
 
 
 def test_dpo_refuses_an_unknown_loss():
-    with pytest.raises(ValueError, match="'simpo_typo'"):
-        dpo_losses(
-            torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1), 0.1, "simpo_typo"
-        )
+    with pytest.raises(ValueError, match=r"dpo\.loss expected one of .* found 'simpo_typo'"):
+        DPOObjective(beta=0.1, loss="simpo_typo")
 
 
 # --- sequence log-probs on a tiny model --------------------------------------------------

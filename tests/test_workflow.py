@@ -11,7 +11,7 @@ from conftest import run_snakemake
 
 from align.paths import SPLITS, RunPaths
 from align.receipts import PASSED, hash_file, load_receipt
-from align.train.stage_gates import GATE_NAMES
+from align.stages.gates import GATE_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 ARMS = ("argilla", "steppairs")

@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from align.constants import BRANCH_SEGMENT, IGNORE_INDEX, PAD_SEGMENT, PREFIX_SEGMENT
 from align.data.sampler import TokenBudgetSampler
 from align.data.shards import read_shard
-from align.losses.fused import IGNORE_INDEX
-from align.model.mistral import BRANCH_SEGMENT, PAD_SEGMENT, PREFIX_SEGMENT
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from align.model.weights_hash import read_safetensors_metadata
+from align.utils.weights_hash import read_safetensors_metadata
 
 
 def single_key_metadata(metadata: dict[str, object]) -> dict[str, str]:

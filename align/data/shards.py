@@ -24,8 +24,8 @@ from safetensors.numpy import save_file
 
 from align.data.metadata import read_metadata, single_key_metadata  # noqa: F401  (re-exported)
 from align.data.tokenize import TokenizedPair
-from align.model.weights_hash import read_safetensors_header
 from align.receipts import atomic_path
+from align.utils.weights_hash import read_safetensors_header
 
 PAIR_FORMAT = "align-pairs-v1"
 SFT_FORMAT = "align-sft-v1"

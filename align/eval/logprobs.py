@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from align.constants import IGNORE_INDEX
 from align.data.loader import TokenBatch
-from align.losses.fused import IGNORE_INDEX, shift_labels
+from align.losses.fused import shift_labels
 
 
 def _mask_args(batch: TokenBatch) -> dict[str, torch.Tensor]:

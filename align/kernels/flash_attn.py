@@ -21,8 +21,9 @@ import triton
 import triton.language as tl
 
 from align.kernels.contract import check_gqa_shapes
+from align.utils.dtypes import TORCH_DTYPES
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_DTYPES = tuple(TORCH_DTYPES.values())
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 LOG2_E = 1.4426950408889634
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension, which indexes (batch, head)

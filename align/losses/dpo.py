@@ -9,12 +9,14 @@ every pair.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from align.config import DpoConfig
 
 
 def _sigmoid(margins: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
@@ -39,57 +41,13 @@ _PAIR_LOSSES: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = 
     "ipo": _ipo,
     "hinge": _hinge,
 }
-LOSSES = tuple(_PAIR_LOSSES)
-SMOOTHABLE_LOSSES = ("sigmoid",)
-
-
-def check_loss(loss: str, beta: float, label_smoothing: float = 0.0) -> None:
-    """Raise ValueError unless the variant and its parameters are meaningful."""
-    if loss not in _PAIR_LOSSES:
-        raise ValueError(f"DPO loss {loss!r} is not available (available: {', '.join(LOSSES)})")
-    if not (math.isfinite(beta) and beta > 0):
-        raise ValueError(f"beta must be a positive finite number, got {beta}")
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must lie in [0, 0.5), got {label_smoothing}")
-    if label_smoothing and loss not in SMOOTHABLE_LOSSES:
-        raise ValueError(
-            f"label_smoothing applies to {', '.join(SMOOTHABLE_LOSSES)} only, not {loss!r}"
-        )
-
-
-def pair_losses(
-    margins: torch.Tensor, beta: float, loss: str = "sigmoid", label_smoothing: float = 0.0
-) -> torch.Tensor:
-    """Per-pair loss from reward margins beta x (chosen - rejected log-ratio) - length penalty."""
-    check_loss(loss, beta, label_smoothing)
-    return _PAIR_LOSSES[loss](margins, beta, label_smoothing)
-
-
-def dpo_losses(
-    policy_chosen: torch.Tensor,
-    policy_rejected: torch.Tensor,
-    ref_chosen: torch.Tensor,
-    ref_rejected: torch.Tensor,
-    beta: float,
-    loss: str = "sigmoid",
-    *,
-    label_smoothing: float = 0.0,
-    length_penalty: torch.Tensor | float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-pair (loss, chosen reward, rejected reward); rewards are beta x log-ratios.
-
-    `length_penalty` is subtracted from the reward margin inside the loss (R-DPO).
-    """
-    chosen_ratio = policy_chosen - ref_chosen
-    rejected_ratio = policy_rejected - ref_rejected
-    margins = beta * (chosen_ratio - rejected_ratio) - length_penalty
-    losses = pair_losses(margins, beta, loss, label_smoothing)
-    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
 @dataclass(frozen=True)
 class DPOObjective:
-    """A DPO variant and its weights; invalid combinations raise on construction.
+    """A DPO variant and its weights, built from the pre-registration's [dpo] section
+    (`of`); what that section's checks refuse raises here too, so no objective the config
+    would refuse can be built in code.
 
     `length_normalize` scores per-token mean log-probs instead of sums; `rdpo_alpha`
     subtracts rdpo_alpha x (chosen tokens - rejected tokens) from the margin; `rpo_alpha`
@@ -104,15 +62,45 @@ class DPOObjective:
     rdpo_alpha: float = 0.0
 
     def __post_init__(self) -> None:
-        check_loss(self.loss, self.beta, self.label_smoothing)
-        for name in ("rpo_alpha", "rdpo_alpha"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a non-negative finite number, got {value}")
+        failed = [c for c in DpoConfig(**dataclasses.asdict(self)).checks() if not c.holds]
+        if failed:
+            raise ValueError(
+                "; ".join(f"dpo.{c.key} expected {c.expected}, found {c.value!r}" for c in failed)
+            )
+
+    @classmethod
+    def of(cls, section: DpoConfig) -> DPOObjective:
+        return cls(**dataclasses.asdict(section))
 
     @property
     def needs_token_means(self) -> bool:
         return self.length_normalize or self.rpo_alpha > 0
+
+
+def pair_losses(margins: torch.Tensor, objective: DPOObjective) -> torch.Tensor:
+    """Per-pair loss from reward margins beta x (chosen - rejected log-ratio) - length penalty."""
+    return _PAIR_LOSSES[objective.loss](margins, objective.beta, objective.label_smoothing)
+
+
+def dpo_losses(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    objective: DPOObjective,
+    *,
+    length_penalty: torch.Tensor | float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair (loss, chosen reward, rejected reward); rewards are beta x log-ratios.
+
+    `length_penalty` is subtracted from the reward margin inside the loss (R-DPO).
+    """
+    beta = objective.beta
+    chosen_ratio = policy_chosen - ref_chosen
+    rejected_ratio = policy_rejected - ref_rejected
+    margins = beta * (chosen_ratio - rejected_ratio) - length_penalty
+    losses = pair_losses(margins, objective)
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
 @dataclass
@@ -173,9 +161,7 @@ def dpo_objective(
         scored[pairs:],
         ref_scored[:pairs],
         ref_scored[pairs:],
-        objective.beta,
-        objective.loss,
-        label_smoothing=objective.label_smoothing,
+        objective,
         length_penalty=objective.rdpo_alpha * (counts[:pairs] - counts[pairs:]),
     )
     nll = None

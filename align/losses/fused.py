@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from align.constants import IGNORE_INDEX
 from align.losses.dpo import DPOObjective, DPOResult, dpo_objective
 
-IGNORE_INDEX = -100
 DEFAULT_CHUNK_SIZE = 1024
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from align.constants import IGNORE_INDEX
 from align.losses.dpo import DPOObjective, DPOResult, dpo_objective
-from align.losses.fused import IGNORE_INDEX
 
 
 def reference_token_logps(

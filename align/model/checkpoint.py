@@ -24,10 +24,10 @@ from safetensors.torch import save_file
 from align.model.checkpoint_files import companion_files
 from align.model.hf_config import MistralConfig, load_hf_config
 from align.model.mistral import NmoMistralForCausalLM
-from align.model.weights_hash import INDEX_FILE_NAME, SINGLE_FILE_NAME, checkpoint_tensors
+from align.utils.dtypes import TORCH_DTYPES
+from align.utils.weights_hash import INDEX_FILE_NAME, SINGLE_FILE_NAME, checkpoint_tensors
 
 SAFETENSORS_METADATA = {"format": "pt"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 _TOP_LEVEL_NAMES = {
     "model.embed_tokens.weight": "embed.weight",
@@ -223,9 +223,9 @@ def _resolve_device(device: torch.device | str) -> torch.device:
 
 
 def _resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:
-    resolved = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
-    if resolved not in DTYPES.values():
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    resolved = TORCH_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if resolved not in TORCH_DTYPES.values():
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {tuple(TORCH_DTYPES)}")
     if resolved == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise RuntimeError(f"bfloat16 requested but {device} does not support it")
     return resolved

@@ -22,7 +22,7 @@ from align.model.tokenizer_hash import (
     TOKENIZER_FILE,
 )
 from align.model.tokenizer_hash import CONFIG_FILE as TOKENIZER_CONFIG_FILE
-from align.model.weights_hash import INDEX_FILE_NAME, SINGLE_FILE_NAME, read_weight_map
+from align.utils.weights_hash import INDEX_FILE_NAME, SINGLE_FILE_NAME, read_weight_map
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)

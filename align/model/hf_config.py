@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+from align.constants import DTYPES
 
 # Keys HF writes for its own bookkeeping or output plumbing; they do not change the forward pass.
 _BOOKKEEPING_KEYS = frozenset(
@@ -84,8 +84,8 @@ class MistralConfig:
                 raise ValueError(f"{name}={token_id!r} is not a token id below vocab_size")
         if not isinstance(self.tie_word_embeddings, bool):
             raise ValueError(f"tie_word_embeddings={self.tie_word_embeddings!r} is not a bool")
-        if self.torch_dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"torch_dtype={self.torch_dtype!r} is not one of {SUPPORTED_DTYPES}")
+        if self.torch_dtype not in DTYPES:
+            raise ValueError(f"torch_dtype={self.torch_dtype!r} is not one of {DTYPES}")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:

@@ -17,12 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from align.constants import PAD_SEGMENT, PREFIX_SEGMENT
 from align.losses.fused import DEFAULT_CHUNK_SIZE, fused_sequence_logps
 from align.model.attention import attention, select_attn_implementation
 from align.model.hf_config import MistralConfig
-
-# segment_ids values: padding, the shared prefix; branches are BRANCH_SEGMENT, +1, ...
-PAD_SEGMENT, PREFIX_SEGMENT, BRANCH_SEGMENT = 0, 1, 2
 
 
 class RMSNorm(nn.Module):

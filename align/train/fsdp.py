@@ -20,13 +20,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from align.model.checkpoint import hf_to_nmo, read_safetensors_state
 from align.model.hf_config import load_hf_config
 from align.model.mistral import NmoMistralForCausalLM
-from align.train.precision import (
-    TORCH_DTYPES,
-    Precision,
-    mixed_precision_policy,
-    verify_precision,
-)
+from align.train.precision import Precision, mixed_precision_policy, verify_precision
 from align.utils.dist import DistInfo
+from align.utils.dtypes import TORCH_DTYPES
 
 NO_CASTS = MixedPrecisionPolicy()
 

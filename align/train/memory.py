@@ -19,7 +19,7 @@ from typing import Any
 from align.config import ArmConfig, ModelConfig, PreflightConfig, RunConfig
 from align.exit_codes import PreflightRefused
 from align.model.hf_config import MistralConfig, load_hf_config
-from align.model.weights_hash import INDEX_FILE_NAME, checkpoint_tensors
+from align.utils.weights_hash import INDEX_FILE_NAME, checkpoint_tensors
 
 MIB = 2**20
 GIB = 2**30

@@ -19,8 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from align.exit_codes import ConfigError
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from align.utils.dtypes import TORCH_DTYPES
 
 
 def dtype_name(dtype: torch.dtype) -> str:

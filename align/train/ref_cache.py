@@ -10,7 +10,7 @@ by the gate and again by the loader, rather than trained against.
 
 While a cache is computed, each finished slice of rows is a part file in
 `<cache>.parts/` that carries the same key and the rows it covers, so a restarted
-precompute can tell which slices it may reuse (align.train.ref_precompute).
+precompute can tell which slices it may reuse (align.stages.ref_precompute).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 from align.data.metadata import read_metadata, single_key_metadata
 from align.exit_codes import GateRefused
 from align.model.tokenizer_hash import tokenizer_hash
-from align.model.weights_hash import file_tensors_hash, raw_tensors_hash, weights_hash
 from align.receipts import atomic_path, hash_file
+from align.utils.weights_hash import file_tensors_hash, raw_tensors_hash, weights_hash
 
 KEY_COMPONENTS = (
     "checkpoint_weights",

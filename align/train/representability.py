@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from align.model.weights_hash import TensorLocation, checkpoint_tensors
+from align.utils.weights_hash import TensorLocation, checkpoint_tensors
 
 if TYPE_CHECKING:
     import numpy as np

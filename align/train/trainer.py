@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from align.config import TrainerConfig
 from align.exit_codes import AlignError, ResumableStop
-from align.paths import stop_marker_in
+from align.paths import metrics_in, stop_marker_in
 from align.receipts import write_json_atomic
 from align.train.checkpointing import CheckpointManager
 from align.utils.dist import DistInfo, all_reduce_sum, any_rank, barrier
@@ -115,7 +115,7 @@ class Trainer:
 
     @property
     def metrics_path(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
+        return metrics_in(self.run_dir)
 
     def prepare(self) -> None:
         """Resume from the newest valid checkpoint, or rotate stale ones away for a fresh run."""

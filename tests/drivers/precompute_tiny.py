@@ -19,7 +19,7 @@ import torch
 
 from align.config import ArmConfig, apply_overrides
 from align.exit_codes import run_with_exit_codes
-from align.train import ref_precompute
+from align.stages import ref_precompute
 from align.train.ref_cache import expected_key, ref_forward_impl
 from align.utils.dist import destroy_distributed
 

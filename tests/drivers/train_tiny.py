@@ -19,9 +19,9 @@ import torch
 from align.config import ArmConfig, apply_overrides
 from align.data.loader import PairShard
 from align.exit_codes import run_with_exit_codes
+from align.losses.dpo import DPOObjective
 from align.receipts import write_json_atomic
 from align.train.adapters import DpoAdapter
-from align.train.dpo_stage import dpo_objective_of
 from align.train.session import build_trainer, export_policy, load_policy, start_session
 from align.utils.dist import destroy_distributed
 
@@ -47,7 +47,7 @@ def main() -> None:
     ref = np.load(ns.workdir / "ref.npz")
     model = load_policy(ns.workdir / "base", cfg.model, info, cfg.trainer)
     adapter = DpoAdapter(
-        dpo_objective_of(cfg.dpo),
+        DPOObjective.of(cfg.dpo),
         torch.from_numpy(ref["chosen"]),
         torch.from_numpy(ref["rejected"]),
     )

@@ -8,8 +8,8 @@ from align.config import ArmConfig, load_config
 from align.exit_codes import ConfigError, run_with_exit_codes
 from align.paths import RunPaths, external_locations
 from align.receipts import PASSED
-from align.stage import Stage, parse_stage_args
-from align.train import stage_gates
+from align.stages import gates
+from align.stages.entry import Stage, parse_stage_args
 
 
 def main() -> None:
@@ -21,7 +21,7 @@ def main() -> None:
     external = [place for item in loaded for place in external_locations(item.cfg)]
     paths = RunPaths.of(results_dirs.pop(), external)
     stage = Stage("build_manifest")
-    checkpoint = stage_gates.sft_gate(paths)["checkpoint"]
+    checkpoint = gates.sft_gate(paths).checkpoint
     from align.data.build import prepare_arm, write_arms
     from align.data.chat_template import template_hash
     from align.data.tokenize import PromptRenderer

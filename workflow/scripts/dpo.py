@@ -9,8 +9,8 @@ from align.config import ArmConfig, load_config, to_dict
 from align.exit_codes import TripwireFired, run_with_exit_codes
 from align.paths import FIRST_RUN, RERUN, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, hash_file
-from align.stage import Stage, is_main_process, parse_stage_args
-from align.train.stage_gates import GateContext, run_gates
+from align.stages.entry import Stage, is_main_process, parse_stage_args
+from align.stages.gates import GateContext, run_gates
 from align.utils.guard import apply_resource_guards
 
 
@@ -23,19 +23,17 @@ def main() -> None:
     ctx = GateContext(cfg, RunPaths.of_config(cfg))
     report = run_gates(ctx, through="preflight" if probe else "probe")
     out = ctx.arm.probe if probe else ctx.arm.arm_result
-    common = {"arm": cfg.arm, "config": to_dict(cfg), "gates": report.rows}
+    common = {"arm": cfg.arm, "config": to_dict(cfg), "gates": report.recorded()}
     if is_main_process():
         print(f"align {stage.name}: gates for arm {cfg.arm}\n{report.table()}", file=sys.stderr)
     if ctx.descoped:
         if is_main_process():
             stage.write(
                 out,
-                stage.receipt(
-                    loaded, DESCOPED, descoped=True, reason=ctx.entry["reason"], **common
-                ),
+                stage.receipt(loaded, DESCOPED, descoped=True, reason=ctx.entry.reason, **common),
             )
             print(
-                f"align {stage.name}: arm {cfg.arm} DESCOPED: {ctx.entry['reason']}",
+                f"align {stage.name}: arm {cfg.arm} DESCOPED: {ctx.entry.reason}",
                 file=sys.stderr,
             )
         return
@@ -52,7 +50,7 @@ def main() -> None:
 
 
 def write_probe(loaded, ctx: GateContext, stage: Stage, out, common: dict) -> None:
-    from align.train.dpo_stage import run_probe
+    from align.stages.dpo import run_probe
 
     figures, info = run_probe(loaded.cfg, ctx)
     b = loaded.cfg.batch
@@ -75,22 +73,22 @@ def write_probe(loaded, ctx: GateContext, stage: Stage, out, common: dict) -> No
 
 
 def write_arm_result(loaded, ctx: GateContext, stage: Stage, out, common: dict) -> None:
-    from align.model.weights_hash import weights_hash
-    from align.train.dpo_stage import run_dpo
+    from align.stages.dpo import run_dpo
+    from align.utils.weights_hash import weights_hash
 
     figures, info = run_dpo(loaded.cfg, ctx)
     tripwire = figures.pop("tripwire")
     ended = tripwire["ended_by_tripwire"]
     if info.is_main:
         arm, recorded = ctx.arm, ctx.paths.recorded
-        caches = {split: recorded(path) for split, (path, _) in ctx.caches.items()}
+        caches = {split: recorded(cache.path) for split, cache in ctx.caches.items()}
         receipt = stage.receipt(
             loaded,
             FAILED if ended else PASSED,
             descoped=False,
             inputs={
                 recorded(ctx.checkpoint): ctx.checkpoint_weights,
-                **{recorded(path): hash_file(path) for path, _ in ctx.caches.values()},
+                **{recorded(c.path): hash_file(c.path) for c in ctx.caches.values()},
             },
             outputs={recorded(arm.policy_dir): weights_hash(arm.policy_dir)},
             figures=figures,

@@ -4,27 +4,29 @@ measurement of the training forward path against that cache (rule `path_bias`)."
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from align.config import ArmConfig, load_config
 from align.exit_codes import run_with_exit_codes
-from align.model.weights_hash import file_tensors_hash
 from align.paths import SPLITS, RunPaths
 from align.receipts import PASSED, hash_file
-from align.stage import Stage, parse_stage_args
-from align.train import stage_gates
+from align.stages import gates
+from align.stages.entry import Stage, parse_stage_args
+from align.stages.gates import ArmEntry
 from align.train.ref_cache import TENSORS_HASH, expected_key, ref_forward_impl
 from align.utils.guard import apply_resource_guards
+from align.utils.weights_hash import file_tensors_hash
 
 
-def build_caches(loaded, checkpoint: str, entry: dict, paths: RunPaths, stage: Stage) -> None:
-    from align.train.ref_precompute import precompute_ref_caches
+def build_caches(loaded, checkpoint: Path, entry: ArmEntry, paths: RunPaths, stage: Stage) -> None:
+    from align.stages.ref_precompute import precompute_ref_caches
 
     cfg = loaded.cfg
     arm = paths.arm(cfg.arm)
     forward_impl = ref_forward_impl(cfg.ref)
     jobs = []
     for split in SPLITS:
-        shard = entry["shards"][split]["path"]
+        shard = entry.shards[split]
         key = expected_key(
             checkpoint, shard, cfg.data.seq_len, cfg.data.truncation, cfg.ref.dtype, forward_impl
         )
@@ -62,14 +64,16 @@ def build_caches(loaded, checkpoint: str, entry: dict, paths: RunPaths, stage: S
         stage.write(arm.ref_receipt(forward_impl), receipt)
 
 
-def measure_path_bias(loaded, checkpoint: str, entry: dict, paths: RunPaths, stage: Stage) -> None:
+def measure_path_bias(
+    loaded, checkpoint: Path, entry: ArmEntry, paths: RunPaths, stage: Stage
+) -> None:
+    from align.stages.ref_precompute import run_path_bias
     from align.train.path_bias import table
-    from align.train.ref_precompute import run_path_bias
 
     cfg = loaded.cfg
     arm = paths.arm(cfg.arm)
     cache_impl = ref_forward_impl(cfg.ref)
-    shard = entry["shards"]["train"]["path"]
+    shard = entry.shards["train"]
     key = expected_key(
         checkpoint, shard, cfg.data.seq_len, cfg.data.truncation, cfg.ref.dtype, cache_impl
     )
@@ -93,8 +97,8 @@ def main() -> None:
     cfg, paths = loaded.cfg, RunPaths.of_config(loaded.cfg)
     mode = "path_bias" if "path-bias" in args.flags else "ref_cache"
     stage = Stage(mode)
-    checkpoint = stage_gates.sft_gate(paths)["checkpoint"]
-    entry = stage_gates.manifest_entry(paths, cfg, checkpoint)
+    checkpoint = gates.sft_gate(paths).checkpoint
+    entry = gates.manifest_entry(paths, cfg, checkpoint)
     apply_resource_guards(cfg.run, mode, [cfg.run.results_dir])
     from align.utils.dist import destroy_distributed
 

@@ -11,8 +11,8 @@ from align.config import ArmConfig, load_config
 from align.exit_codes import run_with_exit_codes
 from align.paths import RunPaths
 from align.receipts import PASSED
-from align.stage import Stage, parse_stage_args
-from align.train.stage_gates import GateContext, run_gates
+from align.stages.entry import Stage, parse_stage_args
+from align.stages.gates import GateContext, run_gates
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     print(f"align preflight: arm {cfg.arm}\n{report.table()}", file=sys.stderr)
     figures = ctx.projection or {"descoped": True}
     stage.write(
-        ctx.arm.preflight, stage.receipt(loaded, PASSED, figures=figures, gates=report.rows)
+        ctx.arm.preflight, stage.receipt(loaded, PASSED, figures=figures, gates=report.recorded())
     )
 
 

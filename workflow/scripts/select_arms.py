@@ -13,12 +13,12 @@ from __future__ import annotations
 import sys
 
 from align.config import ArmConfig, SelectionConfig, load_config, to_dict
-from align.eval import selection as sel
 from align.exit_codes import run_with_exit_codes
-from align.paths import RunPaths
+from align.paths import RunPaths, SelectionPaths
 from align.receipts import FAILED, PASSED, hash_file
-from align.stage import Stage, parse_stage_args
-from align.train import stage_gates
+from align.stages import gates
+from align.stages import select as sel
+from align.stages.entry import Stage, parse_stage_args
 from align.utils.guard import cap_threads
 
 
@@ -26,12 +26,12 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
     """Build the common eval set, score the SFT policy and every arm policy on it."""
     from align.data.loader import PairShard
     from align.data.shards import PAIR_FORMAT, read_shard, write_shard
-    from align.eval import paired
     from align.eval.generation import generation_prompts
     from align.eval.sanity import chosen_responses
+    from align.stages import paired
     from align.train.session import start_session
 
-    work = sel.SelectionPaths.of(paths)
+    work = SelectionPaths.of(paths)
     info = start_session(work.run_dir, cfg.run, None)
     arrays, union = paired.union_pairs(
         {name: read_shard(src["path"]) for name, src in sources.items()}, pins["pad_id"]
@@ -81,34 +81,34 @@ def main() -> None:
     arms = [load_config(path, ArmConfig).cfg.arm for path in arm_tomls]
     sel.check_selection_config(cfg, arms, str(selection_toml))
     stage = Stage("select_arms")
-    gates = stage_gates.GateReport()
-    gate = gates.run(
+    gate_report = gates.GateReport()
+    gate = gate_report.run(
         "sft_gate",
-        stage_gates.sft_gate,
+        gates.sft_gate,
         paths,
-        figures=lambda r: {"checkpoint": paths.recorded(r["checkpoint"])},
+        figures=lambda policy: {"checkpoint": paths.recorded(policy.checkpoint)},
     )
-    sft_hash = gates.run(
+    sft_hash = gate_report.run(
         "sft_weights",
-        stage_gates.trusted_checkpoint_hash,
+        gates.trusted_checkpoint_hash,
         gate,
         figures=lambda found: {"weights": found[:12]},
     )
-    manifest = gates.run(
+    manifest = gate_report.run(
         "manifest", sel.manifest_gate, paths, arms, figures=lambda m: {"arms": len(m["arms"])}
     )
     results = {
-        arm: gates.run(
+        arm: gate_report.run(
             f"arm_result:{arm}",
             sel.arm_result_gate,
             paths,
             arm,
-            gate["checkpoint"],
+            gate.checkpoint,
             figures=lambda r: {"status": r["status"]},
         )
         for arm in arms
     }
-    sources = gates.run(
+    sources = gate_report.run(
         "eval_set",
         sel.eval_set_sources,
         cfg.paired.eval_set,
@@ -126,7 +126,7 @@ def main() -> None:
             arm: str(paths.resolve(results[arm]["policy"], "arm_result", paths.arm(arm).arm_result))
             for arm in scored
         },
-        sel.SFT: gate["checkpoint"],
+        sel.SFT: str(gate.checkpoint),
     }
 
     cap_threads(cfg.run.threads)
@@ -140,7 +140,7 @@ def main() -> None:
     recorded = paths.recorded
     inputs = {
         recorded(paths.sft_gate): hash_file(paths.sft_gate),
-        recorded(gate["checkpoint"]): sft_hash,
+        recorded(gate.checkpoint): sft_hash,
         recorded(paths.manifest): hash_file(paths.manifest),
         **{recorded(src["path"]): src["hash"] for src in sources.values()},
         **{
@@ -167,7 +167,7 @@ def main() -> None:
         },
         arms=standings,
         decision=decision,
-        gates=gates.rows,
+        gates=gate_report.recorded(),
     )
     stage.write(paths.selection, receipt)
     print(

@@ -8,8 +8,8 @@ from align.config import SftConfig, load_config
 from align.exit_codes import run_with_exit_codes
 from align.paths import RunPaths
 from align.receipts import PASSED
-from align.stage import Stage, parse_stage_args
-from align.train.stage_gates import require_checkpoint
+from align.stages.entry import Stage, parse_stage_args
+from align.stages.gates import require_checkpoint
 from align.utils.guard import apply_resource_guards
 
 
@@ -20,9 +20,9 @@ def main() -> None:
     stage = Stage("sft")
     require_checkpoint("base_model", cfg.run.base_model)
     apply_resource_guards(cfg.run, "sft", [cfg.run.results_dir])
-    from align.model.weights_hash import weights_hash
-    from align.train.sft_stage import run_sft
+    from align.stages.sft import run_sft
     from align.utils.dist import destroy_distributed
+    from align.utils.weights_hash import weights_hash
 
     figures, info = run_sft(cfg, paths)
     if info.is_main:

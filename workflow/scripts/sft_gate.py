@@ -10,8 +10,8 @@ from align.config import SftConfig, load_config
 from align.exit_codes import GateRefused, run_with_exit_codes
 from align.paths import RunPaths
 from align.receipts import FAILED, PASSED
-from align.stage import Stage, parse_stage_args
-from align.train.stage_gates import require_checkpoint
+from align.stages.entry import Stage, parse_stage_args
+from align.stages.gates import require_checkpoint
 from align.utils.guard import apply_resource_guards
 
 
@@ -23,9 +23,9 @@ def main() -> None:
     checkpoint = Path(cfg.run.sft_checkpoint) if cfg.run.sft_checkpoint else paths.sft_checkpoint
     require_checkpoint("sft_gate", checkpoint)
     apply_resource_guards(cfg.run, "sft_gate", [cfg.run.results_dir])
-    from align.model.weights_hash import weights_fingerprint, weights_hash
-    from align.train.sft_stage import evaluate_sft_gate
+    from align.stages.sft import evaluate_sft_gate
     from align.utils.dist import destroy_distributed
+    from align.utils.weights_hash import weights_fingerprint, weights_hash
 
     result = evaluate_sft_gate(cfg, checkpoint, paths.sft_dir / "gate_run")
     receipt = stage.receipt(

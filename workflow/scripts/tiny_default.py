@@ -9,7 +9,7 @@ from pathlib import Path
 from align.config import TinyConfig, load_config
 from align.exit_codes import run_with_exit_codes
 from align.receipts import PASSED, hash_file
-from align.stage import Stage, parse_stage_args
+from align.stages.entry import Stage, parse_stage_args
 
 
 def main() -> None:

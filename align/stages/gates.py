@@ -7,6 +7,7 @@ names are resolved against the results directory in use (`RunPaths.resolve`).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -18,7 +19,6 @@ from align.config import ArmConfig, pinned_data_config
 from align.exit_codes import GateRefused, PreflightRefused
 from align.model.checkpoint_files import NotACheckpoint, checkpoint_files
 from align.model.tokenizer_hash import tokenizer_hash
-from align.model.weights_hash import weights_fingerprint, weights_hash
 from align.paths import SPLITS, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, load_receipt, verify_hash
 from align.topology import topology
@@ -39,10 +39,41 @@ from align.train.ref_cache import (
     expected_key,
     ref_forward_impl,
 )
+from align.utils.weights_hash import weights_fingerprint, weights_hash
 
 
-def sft_gate(paths: RunPaths) -> dict[str, Any]:
-    """The SFT quality receipt passed; returns it with its `checkpoint` (the one to use) resolved."""
+@dataclass(frozen=True)
+class SftPolicy:
+    """The SFT checkpoint the quality gate passed, and the weight identity it recorded."""
+
+    checkpoint: Path
+    # None where the receipt records none; trusted_checkpoint_hash refuses it then.
+    weights_hash: str | None
+    # Sizes and times of the weight files when hashed: unchanged files need no new hash.
+    fingerprint: dict[str, list[int]] | None
+
+
+@dataclass(frozen=True)
+class ArmEntry:
+    """An arm's manifest entry once the manifest gate passed it: shards resolved and verified."""
+
+    status: str
+    reason: str | None
+    counts: dict[str, int]
+    shards: dict[str, Path]
+    pins: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CacheInUse:
+    """A reference cache the gates checked (key, then tensor bytes) for one split."""
+
+    path: Path
+    key: dict[str, str]
+
+
+def sft_gate(paths: RunPaths) -> SftPolicy:
+    """The SFT quality receipt passed; its checkpoint (the one to use) resolved."""
     receipt = load_receipt(paths.sft_gate, "sft_gate", stage="sft_gate")
     if receipt.get("status") != PASSED or receipt.get("passed") is not True:
         raise GateRefused(
@@ -51,7 +82,9 @@ def sft_gate(paths: RunPaths) -> dict[str, Any]:
     checkpoint = paths.resolve(receipt["checkpoint"], "sft_gate", paths.sft_gate)
     if not checkpoint.is_dir():
         raise GateRefused("sft_gate", f"{paths.sft_gate}: checkpoint {checkpoint} does not exist")
-    return {**receipt, "checkpoint": str(checkpoint)}
+    return SftPolicy(
+        checkpoint, receipt.get("checkpoint_hash"), receipt.get("checkpoint_fingerprint")
+    )
 
 
 def require_checkpoint(gate: str, directory: str | Path) -> None:
@@ -63,7 +96,7 @@ def require_checkpoint(gate: str, directory: str | Path) -> None:
         raise GateRefused(gate, str(err)) from err
 
 
-def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> dict[str, Any]:
+def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> ArmEntry:
     """The arm's manifest entry, refused unless its counts and pins equal the pre-registration.
 
     Compared: the train / held counts with data.expected_*_pairs (which must be fixed),
@@ -119,10 +152,9 @@ def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> d
     shards = {}
     for split in SPLITS:
         shard = entry["shards"][split]
-        path = paths.resolve(shard["path"], "manifest", paths.manifest)
-        verify_hash("manifest", path, shard["hash"])
-        shards[split] = {**shard, "path": str(path)}
-    return {**entry, "shards": shards, "pins": pins}
+        shards[split] = paths.resolve(shard["path"], "manifest", paths.manifest)
+        verify_hash("manifest", shards[split], shard["hash"])
+    return ArmEntry(entry["status"], entry.get("reason"), dict(entry["counts"]), shards, pins)
 
 
 def _flat(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -141,10 +173,10 @@ class GateContext:
 
     cfg: ArmConfig
     paths: RunPaths
-    checkpoint: str = ""
+    checkpoint: Path | None = None
     checkpoint_weights: str = ""
-    entry: dict[str, Any] = field(default_factory=dict)
-    caches: dict[str, tuple[Path, dict[str, str]]] = field(default_factory=dict)
+    entry: ArmEntry | None = None
+    caches: dict[str, CacheInUse] = field(default_factory=dict)
     path_bias: dict[str, Any] = field(default_factory=dict)
     projection: dict[str, Any] = field(default_factory=dict)
     probe: dict[str, Any] = field(default_factory=dict)
@@ -155,13 +187,13 @@ class GateContext:
 
     @property
     def descoped(self) -> bool:
-        return self.entry.get("status") == DESCOPED
+        return self.entry is not None and self.entry.status == DESCOPED
 
     def cache_key(self, split: str, forward_impl: str, dtype: str) -> dict[str, str]:
         data = self.cfg.data
         return expected_key(
             self.checkpoint,
-            self.entry["shards"][split]["path"],
+            self.entry.shards[split],
             data.seq_len,
             data.truncation,
             dtype,
@@ -170,25 +202,29 @@ class GateContext:
         )
 
 
-def trusted_checkpoint_hash(receipt: dict[str, Any]) -> str:
+def trusted_checkpoint_hash(policy: SftPolicy) -> str:
     """The gate receipt's weight hash while the weight files are unchanged; else hash again."""
-    checkpoint = receipt["checkpoint"]
+    checkpoint, recorded = policy.checkpoint, policy.weights_hash
+    if not isinstance(recorded, str):
+        raise GateRefused(
+            "sft_gate", f"sft/gate.json: expected checkpoint_hash, found {recorded!r}"
+        )
     require_checkpoint("sft_gate", checkpoint)
-    if receipt.get("checkpoint_fingerprint") == weights_fingerprint(checkpoint):
-        return receipt["checkpoint_hash"]
+    if policy.fingerprint == weights_fingerprint(checkpoint):
+        return recorded
     found = weights_hash(checkpoint)
-    if found != receipt["checkpoint_hash"]:
+    if found != recorded:
         raise GateRefused(
             "sft_gate",
-            f"{checkpoint}: weights hash expected {receipt['checkpoint_hash'][:12]} (sft/gate.json), found {found[:12]}",
+            f"{checkpoint}: weights hash expected {recorded[:12]} (sft/gate.json), found {found[:12]}",
         )
     return found
 
 
 def _gate_sft(ctx: GateContext) -> dict[str, Any]:
-    receipt = sft_gate(ctx.paths)
-    ctx.checkpoint = receipt["checkpoint"]
-    ctx.checkpoint_weights = trusted_checkpoint_hash(receipt)
+    policy = sft_gate(ctx.paths)
+    ctx.checkpoint = policy.checkpoint
+    ctx.checkpoint_weights = trusted_checkpoint_hash(policy)
     return {
         "checkpoint": ctx.paths.recorded(ctx.checkpoint),
         "weights": ctx.checkpoint_weights[:12],
@@ -197,8 +233,8 @@ def _gate_sft(ctx: GateContext) -> dict[str, Any]:
 
 def _gate_manifest(ctx: GateContext) -> dict[str, Any]:
     ctx.entry = manifest_entry(ctx.paths, ctx.cfg, ctx.checkpoint)
-    counts = ctx.entry["counts"]
-    return {"status": ctx.entry["status"], "train": counts["train"], "held": counts["held"]}
+    counts = ctx.entry.counts
+    return {"status": ctx.entry.status, "train": counts["train"], "held": counts["held"]}
 
 
 def use_caches(ctx: GateContext, impl: str, dtype: str, gate: str) -> None:
@@ -206,7 +242,7 @@ def use_caches(ctx: GateContext, impl: str, dtype: str, gate: str) -> None:
     for split in SPLITS:
         key = ctx.cache_key(split, impl, dtype)
         check_key(ctx.arm.ref_cache(impl, split), key, gate=gate)
-        ctx.caches[split] = (ctx.arm.ref_cache(impl, split), key)
+        ctx.caches[split] = CacheInUse(ctx.arm.ref_cache(impl, split), key)
     path = ctx.arm.ref_receipt(impl)
     receipt = load_receipt(path, gate, stage="ref_cache")
     for split in SPLITS:
@@ -227,7 +263,7 @@ def _gate_ref_cache(ctx: GateContext) -> dict[str, Any]:
 def _gate_path_bias(ctx: GateContext) -> dict[str, Any]:
     report = load_receipt(ctx.arm.path_bias, "path_bias", stage="path_bias")
     figures = report["figures"]
-    cache_impl = ctx.caches["train"][1]["forward_impl"]
+    cache_impl = ctx.caches["train"].key["forward_impl"]
     if figures["cache_forward_impl"] != cache_impl:
         raise GateRefused(
             "path_bias",
@@ -243,7 +279,7 @@ def _gate_path_bias(ctx: GateContext) -> dict[str, Any]:
 def _gate_preflight(ctx: GateContext) -> dict[str, Any]:
     cfg = ctx.cfg
     master_updates = check_master_updates(cfg, ctx.checkpoint)
-    shard_bytes = sum(Path(ctx.entry["shards"][s]["path"]).stat().st_size for s in SPLITS)
+    shard_bytes = sum(ctx.entry.shards[split].stat().st_size for split in SPLITS)
     ctx.projection = preflight_projection(cfg, ctx.checkpoint, shard_bytes)
     ctx.projection["master_updates"] = master_updates
     shown = {
@@ -340,11 +376,21 @@ GATE_ORDER: tuple[tuple[str, Callable[[GateContext], dict[str, Any]]], ...] = (
 GATE_NAMES = tuple(name for name, _ in GATE_ORDER)
 
 
+@dataclass(frozen=True)
+class GateRow:
+    """One gate that ran: PASSED with its figures, or FAILED with the reason."""
+
+    gate: str
+    status: str
+    ms: float
+    figures: dict[str, Any]
+
+
 @dataclass
 class GateReport:
-    """Each gate that ran: its status, time and figures, in the order they ran."""
+    """Each gate that ran, in the order they ran."""
 
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[GateRow] = field(default_factory=list)
 
     def run(self, name: str, gate, *args, figures=lambda result: result):
         """`gate(*args)`, timed; a refusal is recorded, printed with the table and raised."""
@@ -352,19 +398,21 @@ class GateReport:
         try:
             result = gate(*args)
         except GateRefused as err:
-            failed = {"gate": name, "status": FAILED, "ms": _ms(started)}
-            self.rows.append({**failed, "figures": {"reason": str(err)}})
+            self.rows.append(GateRow(name, FAILED, _ms(started), {"reason": str(err)}))
             print(f"align gates:\n{self.table()}", file=sys.stderr)
             raise
-        passed = {"gate": name, "status": PASSED, "ms": _ms(started)}
-        self.rows.append({**passed, "figures": figures(result)})
+        self.rows.append(GateRow(name, PASSED, _ms(started), figures(result)))
         return result
+
+    def recorded(self) -> list[dict[str, Any]]:
+        """The rows as a receipt's `gates` records them."""
+        return [dataclasses.asdict(row) for row in self.rows]
 
     def table(self) -> str:
         lines = [f"  {'gate':<10} {'status':<8} {'ms':>8}  figures"]
         for r in self.rows:
-            figures = ", ".join(f"{k}={v}" for k, v in r["figures"].items())
-            lines.append(f"  {r['gate']:<10} {r['status']:<8} {r['ms']:>8.2f}  {figures}")
+            figures = ", ".join(f"{k}={v}" for k, v in r.figures.items())
+            lines.append(f"  {r.gate:<10} {r.status:<8} {r.ms:>8.2f}  {figures}")
         return "\n".join(lines)
 
 

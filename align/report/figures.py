@@ -18,17 +18,16 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from align.eval.selection import NOT_RECORDED
-from align.paths import FIRST_RUN, RERUN
+from align.paths import FIRST_RUN, RERUN, ReportPaths
 from align.receipts import atomic_path
-from align.report import (
+from align.report.summary import (
     ArmRecord,
-    ReportPaths,
     RunSummary,
     policy_order,
     render_html,
     tripwire_cell,
 )
+from align.stages.select import NOT_RECORDED
 
 FIGSIZE = (10.0, 6.0)
 DPI = 100

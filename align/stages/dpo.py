@@ -26,45 +26,31 @@ from align.eval.sanity import GenerationBand, chosen_responses, judge
 from align.exit_codes import ConfigError
 from align.losses.dpo import DPOObjective
 from align.paths import FIRST_RUN, RERUN, SPLITS
+from align.stages.gates import CacheInUse, GateContext
 from align.train.adapters import DpoAdapter
 from align.train.precision import describe as describe_precision
 from align.train.probes import probe_figures
 from align.train.ref_cache import load_ref_cache
 from align.train.session import build_trainer, export_policy, load_policy, start_session
-from align.train.stage_gates import GateContext
 from align.train.trainer import peak_rss_bytes
 from align.train.tripwires import Alarm, Tripwires
 from align.utils.dist import DistInfo, all_gather_floats, all_reduce_sum, any_rank, barrier
 
 
-def _ref(path: Path, key: dict[str, str], shard: PairShard) -> tuple[torch.Tensor, torch.Tensor]:
-    chosen, rejected = load_ref_cache(path, key, shard.pair_ids)
+def _ref(cache: CacheInUse, shard: PairShard) -> tuple[torch.Tensor, torch.Tensor]:
+    chosen, rejected = load_ref_cache(cache.path, cache.key, shard.pair_ids)
     return torch.from_numpy(chosen), torch.from_numpy(rejected)
-
-
-def dpo_objective_of(dpo) -> DPOObjective:
-    return DPOObjective(
-        beta=dpo.beta,
-        loss=dpo.loss,
-        label_smoothing=dpo.label_smoothing,
-        rpo_alpha=dpo.rpo_alpha,
-        length_normalize=dpo.length_normalize,
-        rdpo_alpha=dpo.rdpo_alpha,
-    )
 
 
 def _setup(cfg: ArmConfig, ctx: GateContext, run_dir: Path, trainer_cfg):
     info = start_session(run_dir, cfg.run, cfg.batch)
-    shards = {
-        split: PairShard(ctx.entry["shards"][split]["path"], cfg.batch.share_prompt)
-        for split in SPLITS
-    }
-    refs = {split: _ref(*ctx.caches[split], shards[split]) for split in SPLITS}
+    shards = {split: PairShard(ctx.entry.shards[split], cfg.batch.share_prompt) for split in SPLITS}
+    refs = {split: _ref(ctx.caches[split], shards[split]) for split in SPLITS}
     model = load_policy(ctx.checkpoint, cfg.model, info, trainer_cfg)
     trainer = build_trainer(
         model,
         shards["train"],
-        DpoAdapter(dpo_objective_of(cfg.dpo), *refs["train"]),
+        DpoAdapter(DPOObjective.of(cfg.dpo), *refs["train"]),
         optim=cfg.optimizer,
         batch=cfg.batch,
         trainer=trainer_cfg,
@@ -126,14 +112,14 @@ def timed_save(trainer) -> float:
 
 def banner(cfg: ArmConfig, ctx: GateContext, model, info: DistInfo) -> str:
     """What is about to train, read off the running objects rather than the config."""
-    counts = ctx.entry["counts"]
+    counts = ctx.entry.counts
     rows = [
         ("arm", cfg.arm),
         ("checkpoint", f"{ctx.checkpoint} ({ctx.checkpoint_weights[:12]})"),
         ("pairs", f"train {counts['train']}, held {counts['held']}"),
         (
             "cache",
-            f"{ctx.caches['train'][1]['forward_impl']} shard {ctx.caches['train'][1]['shard'][:12]}",
+            f"{ctx.caches['train'].key['forward_impl']} shard {ctx.caches['train'].key['shard'][:12]}",
         ),
         ("path bias", f"ratio {ctx.path_bias['ratio']:.3f} -> {ctx.path_bias['action']}"),
         (
@@ -248,7 +234,7 @@ def _train_once(cfg: ArmConfig, ctx: GateContext, run_dir: Path, name: str) -> d
     info, shards, refs, model, trainer = _setup(cfg, ctx, run_dir, cfg.trainer)
     schedule, band = None, None
     if cfg.tripwires.generation:
-        schedule = GenerationSchedule.of(cfg, shards["held"], ctx.entry["pins"])
+        schedule = GenerationSchedule.of(cfg, shards["held"], ctx.entry.pins)
         start = schedule.run(model, info, 0)
         chosen = chosen_responses(shards["held"].arrays, schedule.eos_id)
         band = GenerationBand.of(cfg.tripwires.generation_band, start, chosen)

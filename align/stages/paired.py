@@ -23,9 +23,9 @@ from align.config import ModelConfig, PairedEvalConfig
 from align.data.loader import PairShard
 from align.eval.generation import greedy_generate_batch
 from align.eval.preference import implicit_reward_correct, preference_correct, score_pairs
-from align.eval.selection import SFT
 from align.eval.stats import accuracy_summary
 from align.exit_codes import ConfigError
+from align.stages.select import SFT
 from align.train.precision import describe as describe_precision
 from align.train.session import load_policy
 from align.utils.dist import DistInfo

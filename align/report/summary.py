@@ -1,11 +1,11 @@
 """The run's summary a researcher reads instead of logs: receipts gathered into tables.
 
-Owns where the report's files live (results/report/), gathering a results
+Owns gathering a results
 directory's receipts (SFT gate, manifest, each arm's result, metrics, tripwire
 section and probe receipt, the selection) into one `RunSummary`, and rendering it
 as terminal tables or as an HTML page with the same content. What a stage did not
 record is shown as "not recorded", never filled in. Imports nothing heavy: the
-figures are drawn by align.eval.plots.
+figures are drawn by align.report.figures.
 """
 
 from __future__ import annotations
@@ -18,36 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from align.eval.selection import NOT_RECORDED, arm_standing, tripwire_record
 from align.paths import FIRST_RUN, RERUN, ArmPaths, RunPaths
-
-ARM_FIGURES = ("training", "tripwires", "probe")
-RUN_FIGURES = ("held_out", "paired")
-
-
-@dataclass(frozen=True)
-class ReportPaths:
-    """The report's figures and summary page under results/report/."""
-
-    root: Path
-
-    @classmethod
-    def of(cls, paths: RunPaths) -> ReportPaths:
-        return cls(paths.results / "report")
-
-    def arm_figure(self, arm: str, name: str) -> Path:
-        if name not in ARM_FIGURES:
-            raise ValueError(f"arm figure must be one of {ARM_FIGURES}, got {name!r}")
-        return self.root / arm / f"{name}.png"
-
-    def run_figure(self, name: str) -> Path:
-        if name not in RUN_FIGURES:
-            raise ValueError(f"run figure must be one of {RUN_FIGURES}, got {name!r}")
-        return self.root / f"{name}.png"
-
-    @property
-    def summary_html(self) -> Path:
-        return self.root / "summary.html"
+from align.stages.select import NOT_RECORDED, arm_standing, tripwire_record
 
 
 def read_json_if_present(path: Path) -> dict[str, Any] | None:

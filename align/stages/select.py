@@ -12,7 +12,6 @@ apart and none can be selected. Imports nothing heavy (no torch, no numpy).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +19,9 @@ from align.config import GenerationBandConfig, SelectionConfig
 from align.data.shards import PAIR_FORMAT, read_metadata
 from align.eval.sanity import GenerationBand, judge
 from align.exit_codes import ConfigError, GateRefused
-from align.model.weights_hash import weights_hash
 from align.paths import RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, hash_file, load_receipt, verify_hash
+from align.utils.weights_hash import weights_hash
 
 RULES = ("paired_accuracy",)
 # The SFT policy's name among the scored policies; no arm may take it.
@@ -36,27 +35,9 @@ INELIGIBLE = "ineligible"
 NOT_RECORDED = "not recorded"
 
 
-@dataclass(frozen=True)
-class SelectionPaths:
-    """The selection's working files beside selection.json: the eval set and the run dir."""
-
-    root: Path
-
-    @classmethod
-    def of(cls, paths: RunPaths) -> SelectionPaths:
-        return cls(paths.selection.with_suffix(""))
-
-    @property
-    def eval_set(self) -> Path:
-        return self.root / "eval_pairs.safetensors"
-
-    @property
-    def run_dir(self) -> Path:
-        return self.root / "run"
-
-
 def check_selection_config(cfg: SelectionConfig, arms: Sequence[str], where: str) -> None:
-    """Refuse a pre-registration the rule cannot be applied with, naming the key."""
+    """Refuse a pre-registration the rule cannot be applied with, naming the key (its
+    sections' own ranges were checked when it loaded)."""
     if cfg.rule not in RULES:
         raise ConfigError(f"{where}: key 'rule' expected one of {RULES}, found {cfg.rule!r}")
     if SFT in arms:
@@ -66,25 +47,6 @@ def check_selection_config(cfg: SelectionConfig, arms: Sequence[str], where: str
             f"{where}: key 'default_arm' expected one of the workflow's arms {list(arms)}, "
             f"found {cfg.default_arm!r}"
         )
-    checks = (
-        ("paired.n_boot", cfg.paired.n_boot, cfg.paired.n_boot >= 1, "an integer >= 1"),
-        (
-            "paired.confidence",
-            cfg.paired.confidence,
-            0 < cfg.paired.confidence < 1,
-            "a fraction in (0, 1)",
-        ),
-        ("generation.prompts", cfg.generation.prompts, cfg.generation.prompts >= 1, ">= 1"),
-        (
-            "generation.max_new_tokens",
-            cfg.generation.max_new_tokens,
-            cfg.generation.max_new_tokens >= 1,
-            ">= 1",
-        ),
-    )
-    for key, value, ok, expected in checks:
-        if not ok:
-            raise ConfigError(f"{where}: key {key!r} expected {expected}, found {value!r}")
 
 
 def manifest_gate(paths: RunPaths, arms: Sequence[str]) -> dict[str, Any]:
@@ -102,7 +64,7 @@ def manifest_gate(paths: RunPaths, arms: Sequence[str]) -> dict[str, Any]:
     return {**manifest, "arms": entries}
 
 
-def arm_result_gate(paths: RunPaths, arm: str, sft_checkpoint: str) -> dict[str, Any]:
+def arm_result_gate(paths: RunPaths, arm: str, sft_checkpoint: str | Path) -> dict[str, Any]:
     """The arm's result, as recorded; a policy it names was trained from the SFT checkpoint
     `sft_checkpoint` (resolved) and is unchanged."""
     path = paths.arm(arm).arm_result
@@ -120,7 +82,7 @@ def arm_result_gate(paths: RunPaths, arm: str, sft_checkpoint: str) -> dict[str,
         raise GateRefused(
             "arm_result",
             f"{path}: trained from {result.get('checkpoint')!r}, expected the SFT gate's "
-            f"checkpoint {sft_checkpoint!r}",
+            f"checkpoint {str(sft_checkpoint)!r}",
         )
     recorded = result.get("outputs", {}).get(result["policy"])
     if recorded is None:

@@ -1,0 +1,1 @@
+"""The run report: the summary gathered from receipts, and its figures."""
