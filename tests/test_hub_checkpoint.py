@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import dry_run_rules, run_snakemake
+from conftest import dry_run_rules, run_snakemake, snakemake_command
 from hub_checkpoint import (
     MISTRAL_INSTRUCT_V01_TEMPLATE,
     SENTENCEPIECE_V3,
@@ -217,12 +218,6 @@ def chain_config(work: Path, arm: str, **checkpoints: str) -> Path:
     return path
 
 
-def run_chain(work: Path, config: Path) -> RunPaths:
-    run = run_snakemake(work, "--configfile", str(config), "--cores", "2", "arms", timeout=900)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    return RunPaths.of(work / "results")
-
-
 def check_policy_in_transformers(policy: Path, source: Path) -> None:
     """The exported policy loads in transformers, equals ours in float32, and generates."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -259,16 +254,45 @@ def check_chain(paths: RunPaths, arm: str, checkpoint: Path, source: Path) -> No
 
 # One chain from each end, one arm each (CI time): the Step-DPO arm from the sharded
 # base model, the argilla arm (its system turn folded for Mistral's template) from the
-# SFT checkpoint.
+# SFT checkpoint. Each is one rank at a time, so the two run side by side.
+@pytest.fixture(scope="module")
+def chains(hub, tmp_path_factory) -> dict[str, RunPaths]:
+    """`snakemake arms` from each end, both started before either is waited on."""
+    works = {name: tmp_path_factory.mktemp(f"chain-{name}") for name in ("base", "sft")}
+    configs = {
+        "base": chain_config(works["base"], "steppairs", base_model=str(hub["v4"])),
+        "sft": chain_config(works["sft"], "argilla", sft_checkpoint=str(hub["v5"])),
+    }
+    runs = {}
+    try:
+        for name, work in works.items():
+            args = ("--configfile", str(configs[name]), "--cores", "2", "arms")
+            command, env = snakemake_command(work, *args, timeout=900)
+            with (work / "snakemake.out").open("w") as log:
+                runs[name] = subprocess.Popen(
+                    command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT
+                )
+        for name, proc in runs.items():
+            returncode = proc.wait(timeout=960)
+            output = (works[name] / "snakemake.out").read_text()
+            assert returncode == 0, f"chain from the {name} checkpoint:\n{output[-6000:]}"
+    finally:
+        for proc in runs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    return {name: RunPaths.of(work / "results") for name, work in works.items()}
+
+
 @pytest.mark.slow
-def test_whole_chain_from_a_sharded_hub_base_model(hub, tmp_path):
-    paths = run_chain(tmp_path, chain_config(tmp_path, "steppairs", base_model=str(hub["v4"])))
+def test_whole_chain_from_a_sharded_hub_base_model(hub, chains):
+    paths = chains["base"]
     assert load_receipt(paths.sft_receipt, "sft", stage="sft")["status"] == PASSED
     check_chain(paths, "steppairs", paths.sft_checkpoint, hub["v4"])
 
 
 @pytest.mark.slow
-def test_whole_chain_from_a_hub_sft_checkpoint(hub, tmp_path):
-    paths = run_chain(tmp_path, chain_config(tmp_path, "argilla", sft_checkpoint=str(hub["v5"])))
+def test_whole_chain_from_a_hub_sft_checkpoint(hub, chains):
+    paths = chains["sft"]
     assert not paths.sft_checkpoint.exists(), "rule sft ran although a checkpoint was given"
     check_chain(paths, "argilla", hub["v5"], hub["v5"])
