@@ -29,6 +29,11 @@ def metrics_in(run_dir: str | Path) -> Path:
     return Path(run_dir) / "metrics.jsonl"
 
 
+def checkpoints_in(run_dir: str | Path) -> Path:
+    """Where a training run keeps its periodic and stop checkpoints."""
+    return Path(run_dir) / "checkpoints"
+
+
 def stop_marker_in(run_dir: str | Path) -> Path:
     """Where a training run that stopped cleanly (checkpoint saved) tells its launcher to
     exit 75, and its retry what it resumes after."""
@@ -109,6 +114,11 @@ class RunPaths:
     @property
     def sft_stop_marker(self) -> Path:
         return stop_marker_in(self.sft_run_dir)
+
+    @property
+    def sft_gate_run_dir(self) -> Path:
+        """Where the SFT gate's evaluation runs (its generations and held-out NLL)."""
+        return self.sft_dir / "gate_run"
 
     @property
     def sft_gate(self) -> Path:
@@ -197,6 +207,11 @@ class ArmPaths:
     @property
     def run_dir(self) -> Path:
         return self.root / "run"
+
+    @property
+    def probe_run_dir(self) -> Path:
+        """Where the probe's micro-steps run; nothing of it outlives the probe receipt."""
+        return self.root / "probe_run"
 
     @property
     def stop_marker(self) -> Path:

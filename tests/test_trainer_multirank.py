@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 from tiny_pairs import write_tiny_pairs
 
 from align.exit_codes import RESUMABLE_STOP
-from align.paths import stop_marker_in
+from align.paths import checkpoints_in, stop_marker_in
 
 DRIVER = Path(__file__).parent / "drivers" / "train_tiny.py"
 N_PAIRS, SEQ = 24, 14
@@ -238,7 +238,7 @@ def test_sigkill_while_checkpointing_resumes_from_the_last_valid_one(workdir, un
     tag = f"kill{world}"
     killed = train(workdir, world, tag, "--trainer.checkpoint_every=1", "--kill-in-checkpoint-at=4")
     assert killed.returncode != 0
-    checkpoints = workdir / f"run-{tag}" / "checkpoints"
+    checkpoints = checkpoints_in(workdir / f"run-{tag}")
     assert (checkpoints / "micro_00000008.partial").is_dir()
     resumed = train(workdir, world, tag, "--trainer.checkpoint_every=1", "--trainer.resume=true")
     ok(resumed)

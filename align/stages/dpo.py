@@ -79,7 +79,7 @@ def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInf
     probe_cfg = dataclasses.replace(
         cfg.trainer, max_micro_steps=cfg.trainer.probe_steps, resume=False, checkpoint_every=0
     )
-    info, _, _, model, trainer = _setup(cfg, ctx, ctx.arm.root / "probe_run", probe_cfg)
+    info, _, _, model, trainer = _setup(cfg, ctx, ctx.arm.probe_run_dir, probe_cfg)
     tokens_per_s: list[float] = []
     trainer.fit(on_step=lambda m: tokens_per_s.append(m["tokens_per_s"]))
     checkpoint_s = timed_save(trainer)

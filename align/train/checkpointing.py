@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from align.paths import checkpoints_in
 from align.receipts import write_json_atomic
 from align.utils.dist import DistInfo, barrier
 
@@ -44,7 +45,7 @@ class CheckpointManager:
     def __init__(self, run_dir: str | Path, info: DistInfo, keep: int):
         if keep < 1:
             raise ValueError(f"trainer.keep_checkpoints must be >= 1, got {keep}")
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = checkpoints_in(run_dir)
         self.info = info
         self.keep = keep
 

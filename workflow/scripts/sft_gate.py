@@ -27,7 +27,7 @@ def main() -> None:
     from align.utils.dist import destroy_distributed
     from align.utils.weights_hash import weights_fingerprint, weights_hash
 
-    result = evaluate_sft_gate(cfg, checkpoint, paths.sft_dir / "gate_run")
+    result = evaluate_sft_gate(cfg, checkpoint, paths.sft_gate_run_dir)
     receipt = stage.receipt(
         loaded,
         PASSED if result["passed"] else FAILED,
