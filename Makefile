@@ -24,8 +24,11 @@ services:
 	bash .ci/services_up.sh
 
 # The Slurm tests spend much of their time waiting on the scheduler, so they run beside the
-# rest of the suite; their report follows, and either run failing fails the target.
-BESIDE := tests/test_slurm.py
+# rest of the suite; their report follows, and either run failing fails the target. After
+# them come tests that need no finished default run, to fill the cores the other run's
+# single-rank and single-threaded tests leave idle.
+BESIDE := tests/test_slurm.py tests/test_trainer_multirank.py tests/test_flash_attn.py \
+	tests/test_kernel_gate_rule.py tests/test_generation_sanity.py tests/test_optim.py
 test: install services
 	@log=$$(mktemp); \
 	ALIGN_SERVICES=required $(PY) -m pytest -q $(BESIDE) > $$log 2>&1 & beside=$$!; \
