@@ -53,7 +53,14 @@ def finite_number(key: str, value: float | None, low: float, strict: bool, what:
     return Check(key, value, holds, what)
 
 
-def in_range(key: str, value: float, low: float, high: float, what: str, open_low=False) -> Check:
+def open_fraction(key: str, value: float) -> Check:
+    """0 < value < 1."""
+    return Check(key, value, 0 < value < 1, "a fraction in (0, 1)")
+
+
+def in_range(
+    key: str, value: float, low: float, high: float, what: str, open_low: bool = False
+) -> Check:
     """low <= value <= high (low < value when open_low)."""
     above = value > low if open_low else value >= low
     return Check(key, value, above and value <= high, what)
@@ -96,7 +103,7 @@ class DataConfig:
             one_of("format", self.format, DATA_FORMATS),
             one_of("truncation", self.truncation, TRUNCATION_POLICIES),
             at_least("seq_len", self.seq_len, 2),
-            in_range("held_fraction", self.held_fraction, 0, 1, "a fraction in (0, 1)", True),
+            open_fraction("held_fraction", self.held_fraction),
             Check(
                 "max_prompt_tokens",
                 self.max_prompt_tokens,
@@ -477,7 +484,7 @@ class SftDataConfig:
     def checks(self) -> list[Check]:
         return [
             at_least("seq_len", self.seq_len, 2),
-            in_range("held_fraction", self.held_fraction, 0, 1, "a fraction in (0, 1)", True),
+            open_fraction("held_fraction", self.held_fraction),
         ]
 
 
@@ -529,7 +536,7 @@ class PairedEvalConfig:
     def checks(self) -> list[Check]:
         return [
             at_least("n_boot", self.n_boot, 1),
-            Check("confidence", self.confidence, 0 < self.confidence < 1, "a fraction in (0, 1)"),
+            open_fraction("confidence", self.confidence),
         ]
 
 

@@ -324,6 +324,12 @@ def test_bad_data_format_is_refused():
         ("--tripwires.response.beta=-1", "tripwires.response.beta", "a finite number > 0"),
         ("--run.threads=0", "run.threads", "an integer >= 1"),
         ("--ref.slice_pairs=0", "ref.slice_pairs", "an integer >= 1"),
+        ("--data.held_fraction=1.0", "data.held_fraction", "a fraction in (0, 1)"),
+        (
+            "--preflight.device_memory_fraction=0",
+            "preflight.device_memory_fraction",
+            "a fraction in (0, 1]",
+        ),
     ],
 )
 def test_each_section_refuses_its_own_out_of_range_field(token, key, expected):
