@@ -121,7 +121,7 @@ def banner(cfg: ArmConfig, ctx: GateContext, model, info: DistInfo) -> str:
             "cache",
             f"{ctx.caches['train'].key['forward_impl']} shard {ctx.caches['train'].key['shard'][:12]}",
         ),
-        ("path bias", f"ratio {ctx.path_bias['ratio']:.3f} -> {ctx.path_bias['action']}"),
+        ("path bias", f"ratio {ctx.path_bias.ratio:.3f} -> {ctx.path_bias.action}"),
         (
             "RSS projection",
             f"{ctx.projection['total_mb']:.0f} MiB for {ctx.projection['optimizer']}",
@@ -131,7 +131,7 @@ def banner(cfg: ArmConfig, ctx: GateContext, model, info: DistInfo) -> str:
         ("world size", str(info.world_size)),
         (
             "projected wall",
-            f"{ctx.probe['projected_wall_s']:.0f} s (probe median {ctx.probe['median_step_s']:.3f} s/step)",
+            f"{ctx.probe.projected_wall_s:.0f} s (probe median {ctx.probe.median_step_s:.3f} s/step)",
         ),
     ]
     return "\n".join(f"  {name:<15} {value}" for name, value in rows)

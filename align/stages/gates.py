@@ -72,6 +72,25 @@ class CacheInUse:
     key: dict[str, str]
 
 
+@dataclass(frozen=True)
+class PathBiasDecision:
+    """The path-bias receipt's decision: the cache kept or recomputed, on which ratio."""
+
+    action: str
+    ratio: float
+    # Every figure as the receipt records them, for the arm result to carry.
+    figures: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ProbeMeasure:
+    """What the probe measured on the arm's topology, as the stage after it reads it."""
+
+    median_step_s: float
+    projected_wall_s: float
+    peak_rss_mb: float
+
+
 def sft_gate(paths: RunPaths) -> SftPolicy:
     """The SFT quality receipt passed; its checkpoint (the one to use) resolved."""
     receipt = load_receipt(paths.sft_gate, "sft_gate", stage="sft_gate")
@@ -177,9 +196,9 @@ class GateContext:
     checkpoint_weights: str = ""
     entry: ArmEntry | None = None
     caches: dict[str, CacheInUse] = field(default_factory=dict)
-    path_bias: dict[str, Any] = field(default_factory=dict)
+    path_bias: PathBiasDecision | None = None
     projection: dict[str, Any] = field(default_factory=dict)
-    probe: dict[str, Any] = field(default_factory=dict)
+    probe: ProbeMeasure | None = None
 
     @property
     def arm(self):
@@ -272,7 +291,7 @@ def _gate_path_bias(ctx: GateContext) -> dict[str, Any]:
     impl = required_forward_impl(report)
     if figures["action"] == RECOMPUTE:
         use_caches(ctx, impl, ctx.cfg.model.dtype, "path_bias")
-    ctx.path_bias = figures
+    ctx.path_bias = PathBiasDecision(figures["action"], figures["ratio"], figures)
     return {"action": figures["action"], "ratio": round(figures["ratio"], 4), "cache": impl}
 
 
@@ -361,7 +380,9 @@ def _gate_probe(ctx: GateContext) -> dict[str, Any]:
             f"{ctx.arm.probe}: failed calibration: projected RSS {projected:.0f} MiB undershoots the measured "
             f"peak {measured:.0f} MiB by more than {tolerance:.0%}",
         )
-    ctx.probe = figures
+    ctx.probe = ProbeMeasure(
+        figures["median_step_s"], figures["projected_wall_s"], figures["peak_rss_mb"]
+    )
     return {"median_step_s": round(figures["median_step_s"], 4), "peak_rss_mb": round(measured)}
 
 

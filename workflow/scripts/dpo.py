@@ -96,7 +96,7 @@ def write_arm_result(loaded, ctx: GateContext, stage: Stage, out, common: dict) 
             checkpoint=recorded(ctx.checkpoint),
             caches=caches,
             policy=recorded(arm.policy_dir),
-            path_bias=ctx.path_bias,
+            path_bias=ctx.path_bias.figures,
             projection=ctx.projection,
             **common,
         )
