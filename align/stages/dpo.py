@@ -84,7 +84,7 @@ def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInf
     trainer.fit(on_step=lambda m: tokens_per_s.append(m["tokens_per_s"]))
     checkpoint_s = timed_save(trainer)
     rss, device_peaks = job_peaks(local_device_peak_mb(info))
-    projected = ctx.projection.get("device", {}).get("allocated_mb")
+    projected = ctx.projection.device_allocated_mb
     figures = probe_figures(
         trainer.state.step_times,
         tokens_per_s,
@@ -124,7 +124,7 @@ def banner(cfg: ArmConfig, ctx: GateContext, model, info: DistInfo) -> str:
         ("path bias", f"ratio {ctx.path_bias.ratio:.3f} -> {ctx.path_bias.action}"),
         (
             "RSS projection",
-            f"{ctx.projection['total_mb']:.0f} MiB for {ctx.projection['optimizer']}",
+            f"{ctx.projection.total_mb:.0f} MiB for {ctx.projection.optimizer}",
         ),
         ("attention", model.attn_implementation),
         ("precision", describe_precision(model.precision)),

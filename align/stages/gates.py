@@ -91,6 +91,23 @@ class ProbeMeasure:
     peak_rss_mb: float
 
 
+@dataclass(frozen=True)
+class MemoryVerdict:
+    """The preflight's projection of the dpo job, judged against its node (and device) and
+    passed: what the stage reads of it, and every figure as the receipts record it."""
+
+    total_mb: float
+    optimizer: str | None
+    # Per-device allocator peak projected under CUDA; None on CPU.
+    device_allocated_mb: float | None
+    figures: dict[str, Any]
+
+    @classmethod
+    def of(cls, figures: dict[str, Any]) -> MemoryVerdict:
+        device = figures.get("device", {})
+        return cls(figures["total_mb"], figures["optimizer"], device.get("allocated_mb"), figures)
+
+
 def sft_gate(paths: RunPaths) -> SftPolicy:
     """The SFT quality receipt passed; its checkpoint (the one to use) resolved."""
     receipt = load_receipt(paths.sft_gate, "sft_gate", stage="sft_gate")
@@ -197,7 +214,7 @@ class GateContext:
     entry: ArmEntry | None = None
     caches: dict[str, CacheInUse] = field(default_factory=dict)
     path_bias: PathBiasDecision | None = None
-    projection: dict[str, Any] = field(default_factory=dict)
+    projection: MemoryVerdict | None = None
     probe: ProbeMeasure | None = None
 
     @property
@@ -299,14 +316,15 @@ def _gate_preflight(ctx: GateContext) -> dict[str, Any]:
     cfg = ctx.cfg
     master_updates = check_master_updates(cfg, ctx.checkpoint)
     shard_bytes = sum(ctx.entry.shards[split].stat().st_size for split in SPLITS)
-    ctx.projection = preflight_projection(cfg, ctx.checkpoint, shard_bytes)
-    ctx.projection["master_updates"] = master_updates
+    projection = preflight_projection(cfg, ctx.checkpoint, shard_bytes)
+    projection["master_updates"] = master_updates
+    ctx.projection = MemoryVerdict.of(projection)
     shown = {
-        "projected_mb": round(ctx.projection["total_mb"]),
-        "available_mb": round(ctx.projection["available_mb"]),
+        "projected_mb": round(projection["total_mb"]),
+        "available_mb": round(projection["available_mb"]),
     }
-    if "device" in ctx.projection:
-        device = ctx.projection["device"]
+    if "device" in projection:
+        device = projection["device"]
         shown.update(
             device_projected_mb=round(device["total_mb"]), device_mb=round(device["device_mb"])
         )
@@ -372,7 +390,7 @@ def _gate_probe(ctx: GateContext) -> dict[str, Any]:
         raise GateRefused(
             "probe", f"{ctx.arm.probe}: measured on topology {measured_on}, expected {expected}"
         )
-    projected, measured = ctx.projection["total_mb"], figures["peak_rss_mb"]
+    projected, measured = ctx.projection.total_mb, figures["peak_rss_mb"]
     tolerance = ctx.cfg.preflight.calibration_tolerance
     if projected < (1 - tolerance) * measured:
         raise GateRefused(

@@ -61,13 +61,18 @@ def write_probe(loaded, ctx: GateContext, stage: Stage, out, common: dict) -> No
             "grad_accum": b.grad_accum,
         }
         receipt = stage.receipt(
-            loaded, PASSED, figures=figures, topology=topology, projection=ctx.projection, **common
+            loaded,
+            PASSED,
+            figures=figures,
+            topology=topology,
+            projection=ctx.projection.figures,
+            **common,
         )
         stage.write(out, receipt)
         print(
             f"align probe: arm {loaded.cfg.arm} median step {figures['median_step_s']:.3f} s, "
             f"{figures['tokens_per_s']:.0f} tokens/s, peak RSS {figures['peak_rss_mb']:.0f} MiB "
-            f"(projected {ctx.projection['total_mb']:.0f}), projected wall {figures['projected_wall_s']:.0f} s",
+            f"(projected {ctx.projection.total_mb:.0f}), projected wall {figures['projected_wall_s']:.0f} s",
             file=sys.stderr,
         )
 
@@ -97,7 +102,7 @@ def write_arm_result(loaded, ctx: GateContext, stage: Stage, out, common: dict) 
             caches=caches,
             policy=recorded(arm.policy_dir),
             path_bias=ctx.path_bias.figures,
-            projection=ctx.projection,
+            projection=ctx.projection.figures,
             **common,
         )
         stage.write(out, receipt)

@@ -23,7 +23,7 @@ def main() -> None:
     ctx = GateContext(cfg, RunPaths.of_config(cfg))
     report = run_gates(ctx, through="preflight")
     print(f"align preflight: arm {cfg.arm}\n{report.table()}", file=sys.stderr)
-    figures = ctx.projection or {"descoped": True}
+    figures = ctx.projection.figures if ctx.projection else {"descoped": True}
     stage.write(
         ctx.arm.preflight, stage.receipt(loaded, PASSED, figures=figures, gates=report.recorded())
     )
