@@ -20,6 +20,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 from align.constants import DTYPES
 from align.exit_codes import ConfigError
 from align.receipts import hash_file, hash_json
+from align.topology import divides, ranks_per_node
 
 T = TypeVar("T")
 TRUNCATION_POLICIES = ("prompt_left_response_right",)
@@ -238,7 +239,7 @@ class BatchConfig:
             Check(
                 "gpus_per_node",
                 per_node,
-                per_node == 0 or (per_node >= 1 and (per_node >= ranks or ranks % per_node == 0)),
+                divides(ranks, ranks_per_node(ranks, per_node)),
                 f"0 (the site's value) or a divisor of world_size = {ranks}",
             ),
             Check(

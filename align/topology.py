@@ -23,11 +23,21 @@ class Topology:
         return self.nodes * self.per_node
 
 
+def ranks_per_node(world_size: int, gpus_per_node: int, site_gpus_per_node: int = 0) -> int:
+    """The pre-registered count, else the site's, capped at the world; 0 for both: all ranks."""
+    return min(gpus_per_node or site_gpus_per_node or world_size, world_size)
+
+
+def divides(world_size: int, per_node: int) -> bool:
+    """Whether nodes of `per_node` ranks hold `world_size` ranks exactly."""
+    return per_node >= 1 and world_size % per_node == 0
+
+
 def topology(world_size: int, gpus_per_node: int, site_gpus_per_node: int = 0) -> Topology:
     """The job's layout: `gpus_per_node` from the pre-registration, else the site's value;
     0 for both, or a world that fits one node, puts every rank on one node."""
-    per_node = min(gpus_per_node or site_gpus_per_node or world_size, world_size)
-    if per_node < 1 or world_size % per_node:
+    per_node = ranks_per_node(world_size, gpus_per_node, site_gpus_per_node)
+    if not divides(world_size, per_node):
         source = "batch.gpus_per_node" if gpus_per_node else "the workflow's gpus_per_node"
         raise ConfigError(
             f"batch.world_size = {world_size} does not divide into nodes of {per_node} ranks "

@@ -88,7 +88,6 @@ class ProbeMeasure:
 
     median_step_s: float
     projected_wall_s: float
-    peak_rss_mb: float
 
 
 @dataclass(frozen=True)
@@ -398,9 +397,7 @@ def _gate_probe(ctx: GateContext) -> dict[str, Any]:
             f"{ctx.arm.probe}: failed calibration: projected RSS {projected:.0f} MiB undershoots the measured "
             f"peak {measured:.0f} MiB by more than {tolerance:.0%}",
         )
-    ctx.probe = ProbeMeasure(
-        figures["median_step_s"], figures["projected_wall_s"], figures["peak_rss_mb"]
-    )
+    ctx.probe = ProbeMeasure(figures["median_step_s"], figures["projected_wall_s"])
     return {"median_step_s": round(figures["median_step_s"], 4), "peak_rss_mb": round(measured)}
 
 
