@@ -34,6 +34,12 @@ def checkpoints_in(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def ended_run_in(run_dir: str | Path) -> Path:
+    """Where a training run that a tripwire ended keeps its record, beside its checkpoints
+    (so a fresh run moves it aside with them): a retry reads it instead of training again."""
+    return checkpoints_in(run_dir) / "ended.json"
+
+
 def stop_marker_in(run_dir: str | Path) -> Path:
     """Where a training run that stopped cleanly (checkpoint saved) tells its launcher to
     exit 75, and its retry what it resumes after."""

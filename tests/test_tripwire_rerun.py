@@ -143,23 +143,31 @@ def wait_for_lines(path: Path, lines: int, proc: subprocess.Popen, timeout_s: fl
     raise AssertionError(f"{path} never reached {lines} lines (exit {proc.poll()})")
 
 
-def test_a_stop_during_the_rerun_exits_75_and_the_retry_resumes_the_rerun(work):
+def test_a_stop_during_the_rerun_exits_75_and_the_retry_resumes_the_rerun_without_retraining_the_first_run(
+    work,
+):
     """The launcher reads one stop marker per stage: a SIGTERM while the rerun trains must
-    end in exit 75 with that marker naming the rerun's checkpoint, and the retry must take
-    the first run to its alarm again and resume the rerun from that checkpoint."""
+    end in exit 75 with that marker naming the rerun's checkpoint. The retry reads the first
+    run's end from its record, trains no step of it, and resumes the rerun."""
     proc = launch_dpo(work, *ONLY_COLLAPSE, *ONE_EPOCH)
-    rerun_metrics = work / "results/argilla/run/rerun/metrics.jsonl"
-    wait_for_lines(rerun_metrics, 2, proc)
+    run_dir = work / "results/argilla/run"
+    wait_for_lines(run_dir / "rerun/metrics.jsonl", 2, proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == RESUMABLE_STOP, stderr[-3000:]
     marker = json.loads((work / STOP_MARKER).read_text())
     assert marker["reason"] == "signal SIGTERM"
     assert Path(marker["checkpoint"]).parent == Path("results/argilla/run/rerun/checkpoints")
+    first_metrics = (run_dir / "metrics.jsonl").read_bytes()
+    first_record = json.loads((run_dir / "checkpoints/ended.json").read_text())["record"]
 
     resumed = dpo(work, *ONLY_COLLAPSE, *ONE_EPOCH, "--trainer.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "first: ended by chosen_logp_collapse" in resumed.stderr
+    assert "resumed from results/argilla/run/checkpoints" not in resumed.stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == first_metrics
     arm = result(work)
+    assert arm["tripwire"]["runs"][0] == first_record
     assert [r["run"] for r in arm["tripwire"]["runs"]] == ["first", "rerun"]
     assert [a["run"] for a in arm["tripwire"]["fired"]] == ["first"]
     training = arm["figures"]["training"]

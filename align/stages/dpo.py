@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import shutil
 import sys
 import time
@@ -25,7 +26,9 @@ from align.eval.preference import implicit_reward_preference, policy_preference,
 from align.eval.sanity import GenerationBand, chosen_responses, judge
 from align.exit_codes import ConfigError
 from align.losses.dpo import DPOObjective
-from align.paths import FIRST_RUN, RERUN, SPLITS
+from align.paths import FIRST_RUN, RERUN, SPLITS, ended_run_in
+from align.receipts import write_json_atomic
+from align.stages.entry import is_main_process
 from align.stages.gates import CacheInUse, GateContext
 from align.train.adapters import DpoAdapter
 from align.train.precision import describe as describe_precision
@@ -290,13 +293,36 @@ def _train_once(cfg: ArmConfig, ctx: GateContext, run_dir: Path, name: str) -> d
     return run
 
 
+def ended_first_run(cfg: ArmConfig, run_dir: Path) -> dict[str, Any] | None:
+    """On a retry, the first run a tripwire ended in an earlier attempt, as it recorded
+    itself; the rerun then resumes without that run being trained to its alarm again."""
+    path = ended_run_in(run_dir)
+    if not cfg.trainer.resume or not path.is_file():
+        return None
+    ended = json.loads(path.read_text())
+    if is_main_process():
+        alarms = ", ".join(f"{a['name']} at step {a['step']}" for a in ended["record"]["alarms"])
+        print(f"align dpo: {FIRST_RUN}: ended by {alarms} (read from {path})", file=sys.stderr)
+    return {**ended, "alarms": ended["record"]["alarms"]}
+
+
+def record_ended_run(run: dict[str, Any], run_dir: Path) -> None:
+    if run["info"].is_main:
+        write_json_atomic(ended_run_in(run_dir), {"record": run["record"], "banner": run["banner"]})
+
+
 def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]:
     """Train the arm; on an alarm rerun once from SFT with the pre-registered response."""
-    first = _train_once(cfg, ctx, ctx.arm.training_run_dir(FIRST_RUN), FIRST_RUN)
+    first_dir = ctx.arm.training_run_dir(FIRST_RUN)
+    first = ended_first_run(cfg, first_dir)
+    if first is None:
+        first = _train_once(cfg, ctx, first_dir, FIRST_RUN)
+        if first["alarms"]:
+            record_ended_run(first, first_dir)
+            del first["model"]  # the rerun starts again from SFT; one policy stays in memory
     runs, final, final_cfg, response = [first], first, cfg, None
     if first["alarms"]:
         final_cfg, response = with_response(cfg)
-        del first["model"]  # the rerun starts again from SFT; only one policy stays in memory
         final = _train_once(final_cfg, ctx, ctx.arm.training_run_dir(RERUN), RERUN)
         runs.append(final)
     info, model, held = final["info"], final["model"], final["shards"]["held"]
