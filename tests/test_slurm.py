@@ -53,7 +53,7 @@ JOB_RESOURCES = {
     "exit_grace_s": 5,
 }
 # Long enough that the first DPO attempt still trains when its one-minute limit nears.
-ARM_EPOCHS = 4
+ARM_EPOCHS = 3
 # One training run per DPO attempt, so a stop and its resume are the run's own.
 SLURM_ARM_WIRES = """
 [tripwires.disarmed]

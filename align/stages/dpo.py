@@ -332,6 +332,15 @@ def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]
     pol_c, pol_r = score_pairs(model, held, eval_bs, info, desc="eval policy")
     export_policy(model, info, ctx.checkpoint, ctx.arm.policy_dir)
     ref_c, ref_r = (t.numpy() for t in final["refs"]["held"])
+    held_out = None
+    # Rank 0 alone records them; the intervals' scipy.stats import would cost every rank.
+    if info.is_main:
+        held_out = {
+            "sft": policy_preference(sft_c, sft_r),
+            "policy": policy_preference(pol_c, pol_r),
+            "policy_implicit_reward": implicit_reward_preference(pol_c, pol_r, ref_c, ref_r),
+            "mean_chosen_logp_change": float((pol_c - sft_c).mean()),
+        }
     figures: dict[str, Any] = {
         "world_size": info.world_size,
         "precision": model.precision,
@@ -339,12 +348,7 @@ def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]
         "banner": final["banner"] or first["banner"],
         "training": final["summary"],
         "final_config": run_record(final_cfg),
-        "held_out": {
-            "sft": policy_preference(sft_c, sft_r),
-            "policy": policy_preference(pol_c, pol_r),
-            "policy_implicit_reward": implicit_reward_preference(pol_c, pol_r, ref_c, ref_r),
-            "mean_chosen_logp_change": float((pol_c - sft_c).mean()),
-        },
+        "held_out": held_out,
         "generation": policy_generation(final),
     }
     return {**figures, "tripwire": tripwire_section(cfg, runs, response)}, info
