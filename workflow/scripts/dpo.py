@@ -118,6 +118,10 @@ def write_arm_result(loaded, ctx: GateContext, stage: Stage, out, common: dict) 
             file=sys.stderr,
         )
     if ended:
+        from align.utils.dist import barrier
+
+        # Every rank exits 5 together, so no rank's exit ends rank 0 before its receipt.
+        barrier()
         raise TripwireFired(
             f"arm {loaded.cfg.arm}: tripwire fired again after the pre-registered rerun: "
             f"{fired(tripwire, RERUN)}"
