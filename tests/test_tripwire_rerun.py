@@ -21,7 +21,9 @@ from align.paths import RunPaths
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 STOP_MARKER = RunPaths.of("results").arm("argilla").stop_marker
-SHORT = ["--epochs=2", "--lr=2e-3"]
+# One epoch: every wire these tests watch fires within it, and the rerun's epoch is the
+# window a stop lands in.
+SHORT = ["--epochs=1", "--lr=2e-3"]
 ONLY_GENERATION = [
     "--tripwires.collapse=false",
     "--tripwires.disarmed.collapse=this test watches the generation wire alone",
@@ -29,8 +31,6 @@ ONLY_GENERATION = [
     "--tripwires.disarmed.length_drift=this test watches the generation wire alone",
     "--tripwires.generation_every_steps=5",
 ]
-# The collapse wire fires within the first epoch; the rerun's epoch is the stop's window.
-ONE_EPOCH = ["--epochs=1"]
 ONLY_COLLAPSE = [
     "--tripwires.generation=false",
     "--tripwires.disarmed.generation=this test watches the collapse wire alone",
@@ -149,7 +149,7 @@ def test_a_stop_during_the_rerun_exits_75_and_the_retry_resumes_the_rerun_withou
     """The launcher reads one stop marker per stage: a SIGTERM while the rerun trains must
     end in exit 75 with that marker naming the rerun's checkpoint. The retry reads the first
     run's end from its record, trains no step of it, and resumes the rerun."""
-    proc = launch_dpo(work, *ONLY_COLLAPSE, *ONE_EPOCH)
+    proc = launch_dpo(work, *ONLY_COLLAPSE)
     run_dir = work / "results/argilla/run"
     wait_for_lines(run_dir / "rerun/metrics.jsonl", 2, proc)
     proc.send_signal(signal.SIGTERM)
@@ -161,7 +161,7 @@ def test_a_stop_during_the_rerun_exits_75_and_the_retry_resumes_the_rerun_withou
     first_metrics = (run_dir / "metrics.jsonl").read_bytes()
     first_record = json.loads((run_dir / "checkpoints/ended.json").read_text())["record"]
 
-    resumed = dpo(work, *ONLY_COLLAPSE, *ONE_EPOCH, "--trainer.resume=true")
+    resumed = dpo(work, *ONLY_COLLAPSE, "--trainer.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "first: ended by chosen_logp_collapse" in resumed.stderr
     assert "resumed from results/argilla/run/checkpoints" not in resumed.stderr
