@@ -134,22 +134,6 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(workdir, uninterru
         np.testing.assert_allclose(w1[name], w2[name], rtol=0, atol=2e-5, err_msg=name)
 
 
-# One rank resumes bitwise in the bf16 test below; two ranks also agree on the stop.
-@pytest.mark.parametrize("world", [2])
-def test_sigterm_then_resume_ends_bitwise_equal_to_uninterrupted(workdir, uninterrupted, world):
-    tag = f"term{world}"
-    stopped = train(workdir, world, tag, "--signal-at-step=3")
-    assert stopped.returncode == RESUMABLE_STOP, stopped.stderr[-3000:]
-    assert "stopped at step 3/6" in stopped.stderr
-    ok(train(workdir, world, tag, "--trainer.resume=true"))
-    full, resumed = weights(workdir, uninterrupted[world]), weights(workdir, tag)
-    for name in full:
-        assert full[name].tobytes() == resumed[name].tobytes(), name
-    assert [m["loss"] for m in metrics(workdir, tag)] == [
-        m["loss"] for m in metrics(workdir, uninterrupted[world])
-    ]
-
-
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
 def test_a_signal_to_the_launcher_stops_every_rank_at_a_step_boundary_and_resumes_bitwise(
     workdir, uninterrupted, signal_name
@@ -224,13 +208,19 @@ def test_bf16_compute_trains_float32_masters_on_every_rank_count(
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_bf16_compute_sigterm_then_resume_ends_bitwise_equal(workdir, uninterrupted_bf16, world):
+    """SIGTERM to one worker: every rank stops at the same step; the resume ends on the
+    uninterrupted run's losses and weights."""
     tag = f"bf16term{world}"
     stopped = train(workdir, world, tag, *BF16, "--signal-at-step=3")
     assert stopped.returncode == RESUMABLE_STOP, stopped.stderr[-3000:]
+    assert "stopped at step 3/6" in stopped.stderr
     ok(train(workdir, world, tag, *BF16, "--trainer.resume=true"))
     full, resumed = weights(workdir, uninterrupted_bf16[world]), weights(workdir, tag)
     for name in full:
         assert full[name].tobytes() == resumed[name].tobytes(), name
+    assert [m["loss"] for m in metrics(workdir, tag)] == [
+        m["loss"] for m in metrics(workdir, uninterrupted_bf16[world])
+    ]
 
 
 @pytest.mark.parametrize("world", [2])
