@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from align.exit_codes import RESUMABLE_STOP, TRIPWIRE
-from align.paths import RunPaths
+from align.paths import RunPaths, ended_run_in
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -159,7 +159,7 @@ def test_a_stop_during_the_rerun_exits_75_and_the_retry_resumes_the_rerun_withou
     assert marker["reason"] == "signal SIGTERM"
     assert Path(marker["checkpoint"]).parent == Path("results/argilla/run/rerun/checkpoints")
     first_metrics = (run_dir / "metrics.jsonl").read_bytes()
-    first_record = json.loads((run_dir / "checkpoints/ended.json").read_text())["record"]
+    first_record = json.loads(ended_run_in(run_dir).read_text())["record"]
 
     resumed = dpo(work, *ONLY_COLLAPSE, "--trainer.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
