@@ -15,10 +15,11 @@ import pytest
 from safetensors.numpy import load_file
 from tiny_pairs import write_tiny_pairs
 
-from align.exit_codes import RESUMABLE_STOP
+from align.exit_codes import RESUMABLE_STOP, TRIPWIRE
 from align.paths import checkpoints_in, stop_marker_in
 
 DRIVER = Path(__file__).parent / "drivers" / "train_tiny.py"
+EXIT_AFTER = Path(__file__).parent / "drivers" / "exit_after.py"
 N_PAIRS, SEQ = 24, 14
 pytestmark = pytest.mark.slow
 
@@ -79,25 +80,33 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def train_two_nodes(workdir: Path, tag: str, *extra: str) -> list[subprocess.CompletedProcess]:
+def launch_two_nodes(
+    args: list[str], *launch_args: str, node_env: tuple[dict, dict] = ({}, {})
+) -> list[subprocess.CompletedProcess]:
     """Two launchers of one rank each, as two nodes joined by a c10d rendezvous on localhost."""
-    endpoint = f"127.0.0.1:{free_port()}"
-    args = [str(DRIVER), str(workdir), f"--tag={tag}", *topology(2), *COMMON, *extra]
-    marker = stop_marker_in(workdir / f"run-{tag}")
-    launch = [sys.executable, "-m", "align.launch", "--nproc=1", "--nnodes=2"]
-    launch += [f"--rdzv-endpoint={endpoint}", f"--rdzv-id={tag}", f"--stop-marker={marker}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "align.launch", "--nproc=1", "--nnodes=2", *launch_args]
+    launch.append(f"--rdzv-endpoint=127.0.0.1:{free_port()}")
     nodes = [
         subprocess.Popen(
-            [*launch, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            [*launch, f"--node-rank={rank}", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **node_env[rank]},
         )
-        for _ in range(2)
+        for rank in range(2)
     ]
     done = []
     for node in nodes:
         out, err = node.communicate(timeout=600)
         done.append(subprocess.CompletedProcess(node.args, node.returncode, out, err))
     return done
+
+
+def train_two_nodes(workdir: Path, tag: str, *extra: str) -> list[subprocess.CompletedProcess]:
+    args = [str(DRIVER), str(workdir), f"--tag={tag}", *topology(2), *COMMON, *extra]
+    marker = stop_marker_in(workdir / f"run-{tag}")
+    return launch_two_nodes(args, f"--rdzv-id={tag}", f"--stop-marker={marker}")
 
 
 def weights(workdir: Path, tag: str) -> dict[str, np.ndarray]:
@@ -174,6 +183,16 @@ def test_sigterm_to_one_node_stops_both_and_the_resume_is_bitwise_equal(workdir,
     full, after = weights(workdir, uninterrupted[2]), weights(workdir, "nodes-term")
     for name in full:
         assert full[name].tobytes() == after[name].tobytes(), name
+
+
+@pytest.mark.parametrize("code", [RESUMABLE_STOP, TRIPWIRE])
+def test_a_node_ending_after_the_rendezvous_host_reports_its_own_exit_code(code):
+    """The store host's ranks end first; the other node's end later with the same code."""
+    ends = launch_two_nodes(
+        [str(EXIT_AFTER), str(code)],
+        node_env=({"ALIGN_TEST_EXIT_DELAY_S": "0"}, {"ALIGN_TEST_EXIT_DELAY_S": "3"}),
+    )
+    assert [end.returncode for end in ends] == [code, code], [end.stderr[-2000:] for end in ends]
 
 
 BF16 = ("--model.dtype=bfloat16",)

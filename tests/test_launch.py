@@ -1,0 +1,76 @@
+"""align.launch's arguments: the multi-node rendezvous it derives, and what it refuses."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from align import launch
+
+NODE_A = "NodeName=node-a Arch=x86_64 NodeAddr=10.0.0.7 NodeHostName=node-a State=IDLE"
+
+
+@pytest.fixture
+def fake_scontrol(tmp_path, monkeypatch):
+    """An `scontrol` answering for a job on nodes node-a and node-b."""
+    script = tmp_path / "scontrol"
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in\n'
+        '  "show hostnames node-[a-b]") echo node-a; echo node-b ;;\n'
+        f'  "--oneliner show node node-a") echo "{NODE_A}" ;;\n'
+        '  *) echo "unexpected: $*" >&2; exit 1 ;;\n'
+        "esac\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{launch.os.environ['PATH']}")
+
+
+def test_the_slurm_rendezvous_is_the_first_nodes_address_on_a_port_from_the_job_id(
+    fake_scontrol,
+):
+    endpoint = launch.slurm_rendezvous("123456", "node-[a-b]")
+    assert endpoint == f"10.0.0.7:{launch.RDZV_PORT_BASE + 123456 % launch.RDZV_PORT_SPAN}"
+
+
+def test_every_node_of_a_slurm_job_joins_the_same_rendezvous_as_a_client(
+    fake_scontrol, monkeypatch
+):
+    monkeypatch.setenv("SLURM_JOB_ID", "123456")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node-[a-b]")
+    for node in ("0", "1"):
+        monkeypatch.setenv("SLURM_NODEID", node)
+        ns = launch.parse(["--nproc=4", "--nnodes=2", "stage.py", "--x=1"])
+        assert ns.node_rank == int(node)
+        args = launch.torchrun_args(ns, launch.rendezvous_endpoint(ns))
+        assert "--rdzv_endpoint=10.0.0.7:32956" in args
+        assert "--rdzv_id=123456" in args
+        assert "--rdzv_conf=is_host=false" in args
+        assert args[-2:] == ["stage.py", "--x=1"]
+
+
+def test_one_node_runs_torchrun_standalone():
+    ns = launch.parse(["--nproc=2", "stage.py"])
+    assert launch.torchrun_args(ns, None)[0] == "--standalone"
+
+
+@pytest.mark.parametrize("node_rank", [None, "2"])
+def test_a_multi_node_launch_without_a_valid_node_rank_is_refused(monkeypatch, capsys, node_rank):
+    monkeypatch.delenv("SLURM_NODEID", raising=False)
+    args = ["--nproc=1", "--nnodes=2", "stage.py"]
+    if node_rank is not None:
+        args.insert(0, f"--node-rank={node_rank}")
+    with pytest.raises(SystemExit) as refused:
+        launch.parse(args)
+    assert refused.value.code == 2
+    assert f"--nnodes=2 needs --node-rank in [0, 2) (or SLURM_NODEID), got {node_rank}" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_multi_node_launch_outside_slurm_needs_an_endpoint(monkeypatch):
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    ns = launch.parse(["--nproc=1", "--nnodes=2", "--node-rank=0", "stage.py"])
+    with pytest.raises(SystemExit, match="needs --rdzv-endpoint outside Slurm"):
+        launch.rendezvous_endpoint(ns)
