@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 CORES ?= 2
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: arms test lint install services
+.PHONY: arms test lint install services bytecode
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,7 +16,12 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-arms: install
+# An editable install leaves the project's own modules uncompiled; where
+# PYTHONDONTWRITEBYTECODE is set, every stage process would compile them again.
+bytecode: install
+	$(PY) -m compileall -q align
+
+arms: bytecode
 	snakemake --cores $(CORES) arms
 
 # Headless Chromium and the two-node Slurm cluster the suite tests against (root or sudo).
@@ -29,7 +34,7 @@ services:
 # single-rank and single-threaded tests leave idle.
 BESIDE := tests/test_slurm.py tests/test_trainer_multirank.py tests/test_flash_attn.py \
 	tests/test_kernel_gate_rule.py tests/test_generation_sanity.py tests/test_optim.py
-test: install services
+test: bytecode services
 	@log=$$(mktemp); \
 	ALIGN_SERVICES=required $(PY) -m pytest -q $(BESIDE) > $$log 2>&1 & beside=$$!; \
 	ALIGN_SERVICES=required $(PY) -m pytest -q $(BESIDE:%=--ignore=%); rest=$$?; \

@@ -52,8 +52,9 @@ JOB_RESOURCES = {
     "checkpoint_s": 10,
     "exit_grace_s": 5,
 }
-# Long enough that the first DPO attempt still trains when its one-minute limit nears.
-ARM_EPOCHS = 3
+# Long enough that the first DPO attempt still trains when its one-minute limit nears: under
+# the suite's load it has trained about 23 of the 56 steps by then.
+ARM_EPOCHS = 2
 # One training run per DPO attempt, so a stop and its resume are the run's own.
 SLURM_ARM_WIRES = """
 [tripwires.disarmed]
@@ -224,9 +225,30 @@ def read_text(path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def slurm_run(cluster, tmp_path_factory) -> SlurmRun:
+def cuda_attempts(cluster, tmp_path_factory):
+    """An SFT stage that asks for CUDA, submitted with one retry to the GPU partition, whose
+    dummy GPUs fail it. It starts before the chain of `slurm_run`, so that the scheduler
+    waits of the two runs overlap; the work dir and the finished process come back."""
+    work = tmp_path_factory.mktemp("cuda").resolve()
+    config = reduced_config(work, sft_device="cuda")
+    target = str(RunPaths.of("results").sft_receipt)
+    command, env = snakemake_command(
+        work, *slurm_args(config, "--retries", "1", target), timeout=RUN_TIMEOUT_S
+    )
+    with (work / "snakemake.out").open("w") as log:
+        proc = subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield work, proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def slurm_run(cluster, cuda_attempts, tmp_path_factory) -> SlurmRun:
     """`arms` on Slurm with one rank per node; the second DPO attempt gets scancel's SIGTERM
-    after two optimizer steps."""
+    after two optimizer steps. The CUDA attempts are under way beside it."""
     work = tmp_path_factory.mktemp("slurm").resolve()
     config = reduced_config(
         work,
@@ -532,21 +554,15 @@ def test_the_two_node_result_equals_the_one_node_result(slurm_run, one_node_resu
     assert one["figures"]["held_out"] == two["figures"]["held_out"]
 
 
-def test_a_cuda_job_holds_every_gpu_in_one_task_on_the_gpu_partition(slurm_run, tmp_path):
+def test_a_cuda_job_holds_every_gpu_in_one_task_on_the_gpu_partition(cuda_attempts):
     """The node's GPUs are dummies: the request is what is checked, and the refusal."""
-    work = tmp_path.resolve()
-    # The tiny default the first run wrote, at the relative paths the configs name.
-    (work / "resources").symlink_to(slurm_run.workdir / "resources")
-    config = reduced_config(work, sft_device="cuda")
-    # One retry, the least a training stage on a scheduler is allowed.
-    result = snakemake_on_slurm(
-        work, config, "--retries", "1", str(RunPaths.of("results").sft_receipt)
-    )
-    assert result.returncode != 0, "a CUDA stage cannot succeed on this node"
+    work, proc = cuda_attempts
+    proc.wait(timeout=RUN_TIMEOUT_S + 60)
+    assert proc.returncode != 0, "a CUDA stage cannot succeed on this node"
     jobs = jobs_of(work)
-    assert len(jobs) == 2, jobs
-    for job in jobs:
-        assert rule_of(job) == "sft", job
+    # The tiny default is built first, as a job of its own; then the two SFT attempts.
+    assert [rule_of(job) for job in jobs] == ["tiny_default", "sft", "sft"], jobs
+    for job in jobs[1:]:
         assert job["Partition"] == "gpu", job
         assert gpus(job) == 2, job
         assert job["NumTasks"] == "1" and job["NumNodes"] == "1", job

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -39,11 +40,15 @@ ONLY_COLLAPSE = [
 ]
 
 
+def copy_of(finished: Path, work: Path) -> Path:
+    for name in ("results", "resources"):
+        shutil.copytree(finished / name, work / name, symlinks=True)
+    return work
+
+
 @pytest.fixture
 def work(finished_workflow, tmp_path) -> Path:
-    for name in ("results", "resources"):
-        shutil.copytree(finished_workflow / name, tmp_path / name, symlinks=True)
-    return tmp_path
+    return copy_of(finished_workflow, tmp_path)
 
 
 def dpo_command(*overrides: str) -> list[str]:
@@ -69,41 +74,6 @@ def dpo(work: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 def result(work: Path) -> dict:
     return json.loads((work / "results/argilla/arm_result.json").read_text())
-
-
-def test_the_generation_wire_fires_when_generations_stop_ending_and_the_arm_reruns_once(work):
-    run = dpo(work, *ONLY_GENERATION)
-    assert run.returncode == 0, run.stderr[-3000:]
-    arm = result(work)
-    wire = arm["tripwire"]
-    first, rerun = wire["runs"]  # exactly two runs: the first and the one rerun
-    assert (first["run"], rerun["run"], wire["result_run"]) == ("first", "rerun", "rerun")
-    assert wire["rerun"] is True and wire["ended_by_tripwire"] is False
-    assert {a["run"] for a in wire["fired"]} == {"first"}
-    assert "generation_terminated" in {a["name"] for a in wire["fired"]}
-    # The first run's generations stopped ending; it ended at the alarm, before its horizon.
-    minimum = first["generation_band"]["min_terminated_fraction"]
-    assert first["generation_checks"][0] == {**first["generation_checks"][0], "step": 0}
-    assert first["generation_checks"][-1]["terminated_fraction"] < minimum
-    assert first["summary"]["steps"] < first["summary"]["horizon_steps"]
-    # The rerun ran the pre-registered response to its horizon with every check in band.
-    assert wire["response"] == {"lr": 5e-4, "rpo_alpha": 0.3}
-    assert (
-        rerun["config"]
-        == arm["figures"]["final_config"]
-        == {
-            "lr": 5e-4,
-            "beta": 0.1,
-            "rpo_alpha": 0.3,
-        }
-    )
-    assert rerun["summary"]["steps"] == rerun["summary"]["horizon_steps"]
-    assert all(c["terminated_fraction"] >= minimum for c in rerun["generation_checks"])
-    assert arm["figures"]["generation"]["inside"] is True
-    assert arm["status"] == "PASSED"
-    run_dir = work / "results/argilla/run"
-    assert (run_dir / "rerun/metrics.jsonl").exists() and not (run_dir / "rerun/rerun").exists()
-    assert run.stderr.count("generation check after 0 steps") == 2
 
 
 def test_a_second_alarm_ends_the_stage_with_exit_5_after_exactly_one_rerun(work):
@@ -143,33 +113,94 @@ def wait_for_lines(path: Path, lines: int, proc: subprocess.Popen, timeout_s: fl
     raise AssertionError(f"{path} never reached {lines} lines (exit {proc.poll()})")
 
 
+@dataclass(frozen=True)
+class StoppedRerun:
+    work: Path
+    stopped: subprocess.CompletedProcess
+    marker: dict
+    first_metrics: bytes
+    first_record: dict
+    retried: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="module")
+def generation_rerun(finished_workflow, tmp_path_factory) -> StoppedRerun:
+    """The arm with the generation wire alone armed: SIGTERM once its rerun has logged two
+    steps, then the retry that resumes it to the end."""
+    work = copy_of(finished_workflow, tmp_path_factory.mktemp("generation-rerun"))
+    proc = launch_dpo(work, *ONLY_GENERATION)
+    run_dir = work / "results/argilla/run"
+    wait_for_lines(run_dir / "rerun/metrics.jsonl", 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    stopped = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    assert stopped.returncode == RESUMABLE_STOP, stderr[-3000:]
+    return StoppedRerun(
+        work,
+        stopped,
+        json.loads((work / STOP_MARKER).read_text()),
+        (run_dir / "metrics.jsonl").read_bytes(),
+        json.loads(ended_run_in(run_dir).read_text())["record"],
+        dpo(work, *ONLY_GENERATION, "--trainer.resume=true"),
+    )
+
+
+def test_the_generation_wire_fires_when_generations_stop_ending_and_the_arm_reruns_once(
+    generation_rerun,
+):
+    work, run = generation_rerun.work, generation_rerun.retried
+    assert run.returncode == 0, run.stderr[-3000:]
+    arm = result(work)
+    wire = arm["tripwire"]
+    first, rerun = wire["runs"]  # exactly two runs: the first and the one rerun
+    assert (first["run"], rerun["run"], wire["result_run"]) == ("first", "rerun", "rerun")
+    assert wire["rerun"] is True and wire["ended_by_tripwire"] is False
+    assert {a["run"] for a in wire["fired"]} == {"first"}
+    assert "generation_terminated" in {a["name"] for a in wire["fired"]}
+    # The first run's generations stopped ending; it ended at the alarm, before its horizon.
+    minimum = first["generation_band"]["min_terminated_fraction"]
+    assert first["generation_checks"][0] == {**first["generation_checks"][0], "step": 0}
+    assert first["generation_checks"][-1]["terminated_fraction"] < minimum
+    assert first["summary"]["steps"] < first["summary"]["horizon_steps"]
+    # The rerun ran the pre-registered response to its horizon with every check in band.
+    assert wire["response"] == {"lr": 5e-4, "rpo_alpha": 0.3}
+    assert (
+        rerun["config"]
+        == arm["figures"]["final_config"]
+        == {
+            "lr": 5e-4,
+            "beta": 0.1,
+            "rpo_alpha": 0.3,
+        }
+    )
+    assert rerun["summary"]["steps"] == rerun["summary"]["horizon_steps"]
+    assert all(c["terminated_fraction"] >= minimum for c in rerun["generation_checks"])
+    assert arm["figures"]["generation"]["inside"] is True
+    assert arm["status"] == "PASSED"
+    run_dir = work / "results/argilla/run"
+    assert (run_dir / "rerun/metrics.jsonl").exists() and not (run_dir / "rerun/rerun").exists()
+    # The SFT policy's check opens each run (the stopped launch trained both).
+    assert generation_rerun.stopped.stderr.count("generation check after 0 steps") == 2
+
+
 def test_a_stop_during_the_rerun_exits_75_and_the_retry_resumes_the_rerun_without_retraining_the_first_run(
-    work,
+    generation_rerun,
 ):
     """The launcher reads one stop marker per stage: a SIGTERM while the rerun trains must
     end in exit 75 with that marker naming the rerun's checkpoint. The retry reads the first
     run's end from its record, trains no step of it, and resumes the rerun."""
-    proc = launch_dpo(work, *ONLY_COLLAPSE)
-    run_dir = work / "results/argilla/run"
-    wait_for_lines(run_dir / "rerun/metrics.jsonl", 2, proc)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == RESUMABLE_STOP, stderr[-3000:]
-    marker = json.loads((work / STOP_MARKER).read_text())
+    work, marker, resumed = generation_rerun.work, generation_rerun.marker, generation_rerun.retried
     assert marker["reason"] == "signal SIGTERM"
     assert Path(marker["checkpoint"]).parent == Path("results/argilla/run/rerun/checkpoints")
-    first_metrics = (run_dir / "metrics.jsonl").read_bytes()
-    first_record = json.loads(ended_run_in(run_dir).read_text())["record"]
-
-    resumed = dpo(work, *ONLY_COLLAPSE, "--trainer.resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "first: ended by chosen_logp_collapse" in resumed.stderr
+    assert "first: ended by generation_terminated" in resumed.stderr
     assert "resumed from results/argilla/run/checkpoints" not in resumed.stderr
-    assert (run_dir / "metrics.jsonl").read_bytes() == first_metrics
+    run_dir = work / "results/argilla/run"
+    assert (run_dir / "metrics.jsonl").read_bytes() == generation_rerun.first_metrics
     arm = result(work)
-    assert arm["tripwire"]["runs"][0] == first_record
+    assert arm["tripwire"]["runs"][0] == generation_rerun.first_record
     assert [r["run"] for r in arm["tripwire"]["runs"]] == ["first", "rerun"]
-    assert [a["run"] for a in arm["tripwire"]["fired"]] == ["first"]
+    assert {a["run"] for a in arm["tripwire"]["fired"]} == {"first"}
     training = arm["figures"]["training"]
     assert training["resumed_after"] == marker, training
     assert training["resumed_from"] == marker["checkpoint"], training
