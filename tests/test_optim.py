@@ -89,6 +89,17 @@ def test_adamw8bit_trains_fsdp_shards_with_8bit_moments(info):
     assert eight_bit > 0.9 * sum(p.numel() for p in model.parameters())
 
 
+def test_a_checkpoint_keeps_each_ranks_own_state_and_names_a_missing_one(info, tmp_path):
+    manager = CheckpointManager(tmp_path, info, keep=2)
+    model = sharded_model()
+    optimizer = build_optimizer(model, ADAMW8BIT)
+    with_state = manager.save(1, model, optimizer, {"world_size": 1}, {"window": [0.1, -2.5]})
+    assert manager.load_rank_state(with_state) == {"window": [0.1, -2.5]}
+    without = manager.save(2, model, optimizer, {"world_size": 1})
+    with pytest.raises(ValueError, match=r"state_rank00000\.json: missing"):
+        manager.load_rank_state(without)
+
+
 def test_adamw8bit_state_survives_a_dcp_checkpoint_and_resume(info, tmp_path):
     manager = CheckpointManager(tmp_path, info, keep=1)
     model = sharded_model()

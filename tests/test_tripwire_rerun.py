@@ -25,12 +25,13 @@ STOP_MARKER = RunPaths.of("results").arm("argilla").stop_marker
 # One epoch: every wire these tests watch fires within it, and the rerun's epoch is the
 # window a stop lands in.
 SHORT = ["--epochs=1", "--lr=2e-3"]
+GENERATION_EVERY = 5
 ONLY_GENERATION = [
     "--tripwires.collapse=false",
     "--tripwires.disarmed.collapse=this test watches the generation wire alone",
     "--tripwires.length_drift=false",
     "--tripwires.disarmed.length_drift=this test watches the generation wire alone",
-    "--tripwires.generation_every_steps=5",
+    f"--tripwires.generation_every_steps={GENERATION_EVERY}",
 ]
 ONLY_COLLAPSE = [
     "--tripwires.generation=false",
@@ -125,12 +126,12 @@ class StoppedRerun:
 
 @pytest.fixture(scope="module")
 def generation_rerun(finished_workflow, tmp_path_factory) -> StoppedRerun:
-    """The arm with the generation wire alone armed: SIGTERM once its rerun has logged two
-    steps, then the retry that resumes it to the end."""
+    """The arm with the generation wire alone armed: SIGTERM once its rerun has passed its
+    check after five steps, then the retry that resumes it to the end."""
     work = copy_of(finished_workflow, tmp_path_factory.mktemp("generation-rerun"))
     proc = launch_dpo(work, *ONLY_GENERATION)
     run_dir = work / "results/argilla/run"
-    wait_for_lines(run_dir / "rerun/metrics.jsonl", 2, proc)
+    wait_for_lines(run_dir / "rerun/metrics.jsonl", GENERATION_EVERY + 1, proc)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=300)
     stopped = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
@@ -188,7 +189,8 @@ def test_a_stop_during_the_rerun_exits_75_and_the_retry_resumes_the_rerun_withou
 ):
     """The launcher reads one stop marker per stage: a SIGTERM while the rerun trains must
     end in exit 75 with that marker naming the rerun's checkpoint. The retry reads the first
-    run's end from its record, trains no step of it, and resumes the rerun."""
+    run's end from its record, trains no step of it, and resumes the rerun with the checks
+    and signal history its checkpoint holds."""
     work, marker, resumed = generation_rerun.work, generation_rerun.marker, generation_rerun.retried
     assert marker["reason"] == "signal SIGTERM"
     assert Path(marker["checkpoint"]).parent == Path("results/argilla/run/rerun/checkpoints")
@@ -206,3 +208,7 @@ def test_a_stop_during_the_rerun_exits_75_and_the_retry_resumes_the_rerun_withou
     assert training["resumed_from"] == marker["checkpoint"], training
     assert training["steps"] == training["horizon_steps"], training
     assert not (work / STOP_MARKER).exists()
+    rerun, horizon = arm["tripwire"]["runs"][1], training["horizon_steps"]
+    due = sorted({*range(0, horizon + 1, GENERATION_EVERY), horizon})
+    assert [check["step"] for check in rerun["generation_checks"]] == due
+    assert [step for step, _ in rerun["signals"]["generation_terminated"]] == due

@@ -3,6 +3,8 @@ across two ranks."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch.multiprocessing as mp
@@ -35,6 +37,11 @@ ONLY_GENERATION = TripwireConfig(
 
 def never(flag: bool) -> bool:
     return flag
+
+
+def alone(value: float) -> list[float]:
+    """`gather` on one rank."""
+    return [value]
 
 
 def test_collapse_fires_when_chosen_logratio_falls_below_the_floor_while_margins_grow():
@@ -81,15 +88,50 @@ def test_length_drift_ignores_equal_lengths_and_stays_quiet_inside_the_band():
 def test_tripwires_record_signals_and_bands_per_step():
     wires = Tripwires.armed(TripwireConfig(logps_window=2, length_window_pairs=2), 0.5, BAND)
     wires.update([stats([-0.1, -0.2], [0.1, 0.2], [3, 4], [4, 3])])
-    assert wires.check(step=0, any_rank=never) == []
+    assert wires.check(step=0, gather=alone) == []
     assert wires.signals["chosen_logp_collapse"] == [[0, pytest.approx(-0.15)]]
     assert wires.bands()["length_drift"] == [0.25, 0.75]
+
+
+def _fed(wires: Tripwires, batches: list[PairStats], first_step: int) -> list[list[str]]:
+    """Feed one batch per step; the alarms of each step."""
+    fired = []
+    for step, batch in enumerate(batches, start=first_step):
+        wires.update([batch])
+        fired.append([a.name for a in wires.check(step=step, gather=alone)])
+    return fired
+
+
+def test_a_resumed_run_continues_its_tripwire_windows_and_signal_history():
+    cfg = TripwireConfig(logps_window=6, length_window_pairs=6, length_band=0.2)
+    rng = np.random.default_rng(0)
+    batches = [
+        stats(rng.normal(-0.3 * i, 0.1, 3), rng.normal(0.2 * i, 0.1, 3), [4, 6, 5], [5, 4, 6])
+        for i in range(10)
+    ]
+    through = Tripwires.armed(cfg, 0.5, BAND)
+    alarms = _fed(through, batches, 0)
+    assert any(alarms[5:]), "the stream must set a wire off after the stop"
+
+    stopped = Tripwires.armed(cfg, 0.5, BAND)
+    before = _fed(stopped, batches[:5], 0)
+    saved = json.loads(json.dumps(stopped.state_dict()))
+    resumed = Tripwires.armed(cfg, 0.5, BAND)
+    resumed.load_state_dict(saved)
+    assert before + _fed(resumed, batches[5:], 5) == alarms
+    assert resumed.signals == through.signals
+
+
+def test_a_tripwire_state_of_other_wires_is_refused():
+    saved = Tripwires.armed(TripwireConfig(), 0.5, BAND).state_dict()
+    with pytest.raises(ValueError, match="this run arms"):
+        Tripwires.armed(ONLY_GENERATION, 0.5, BAND).load_state_dict(saved)
 
 
 def _rank(rank: int, world: int, init: str, out) -> None:
     import torch.distributed as dist
 
-    from align.utils.dist import any_rank
+    from align.utils.dist import all_gather_floats
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     only_length = TripwireConfig(
@@ -104,12 +146,12 @@ def _rank(rank: int, world: int, init: str, out) -> None:
     margins = [1.0, -1.0, 1.0, -1.0] if rank == 1 else [1.0, 1.0, -1.0, -1.0]
     wires.update([stats([0] * 4, margins, [9, 4, 9, 4], [4, 9, 4, 9])])
     assert wires.detectors[0].fired() == (rank == 1)
-    alarms = wires.check(step=3, any_rank=any_rank)
-    out.put((rank, [a.name for a in alarms]))
+    alarms = wires.check(step=3, gather=all_gather_floats)
+    out.put((rank, [(a.name, a.rank, a.value) for a in alarms]))
     dist.destroy_process_group()
 
 
-def test_alarms_are_a_union_across_two_ranks(tmp_path):
+def test_an_alarm_only_rank_1_set_off_records_rank_1s_value_on_every_rank(tmp_path):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init = f"file://{tmp_path / 'store'}"
@@ -119,7 +161,8 @@ def test_alarms_are_a_union_across_two_ranks(tmp_path):
     results = dict(queue.get(timeout=60) for _ in procs)
     for p in procs:
         p.join(timeout=60)
-    assert results == {0: ["length_drift"], 1: ["length_drift"]}
+    # Rank 0's own signal is 0.5, inside its band; the alarm is rank 1's 1.0 on both.
+    assert results == {0: [("length_drift", 1, 1.0)], 1: [("length_drift", 1, 1.0)]}
 
 
 def check(terminated: float, tokens: float) -> dict:

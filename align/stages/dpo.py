@@ -36,7 +36,7 @@ from align.train.probes import probe_figures
 from align.train.ref_cache import load_ref_cache
 from align.train.session import build_trainer, export_policy, load_policy, start_session
 from align.train.trainer import peak_rss_bytes
-from align.train.tripwires import Alarm, Tripwires
+from align.train.tripwires import Alarm, Tripwires, describe_alarm
 from align.utils.dist import DistInfo, all_gather_floats, all_reduce_sum, any_rank, barrier
 
 
@@ -144,9 +144,7 @@ class TripwireAlarm(Exception):
     """Raised on every rank together when an armed tripwire fires."""
 
     def __init__(self, alarms: list[Alarm]):
-        super().__init__(
-            ", ".join(f"{a.name} at step {a.step} ({a.value:.4f} outside {a.band})" for a in alarms)
-        )
+        super().__init__(", ".join(describe_alarm(a.as_dict()) for a in alarms))
         self.alarms = alarms
 
 
@@ -227,6 +225,24 @@ class GenerationSchedule:
         return record
 
 
+@dataclass
+class WireState:
+    """A run's tripwire windows, signal history and generation checks: the rank state its
+    checkpoints hold, so a resumed run continues them."""
+
+    tripwires: Tripwires
+    schedule: GenerationSchedule | None
+
+    def state_dict(self) -> dict[str, Any]:
+        checks = self.schedule.checks if self.schedule is not None else []
+        return {"tripwires": self.tripwires.state_dict(), "generation_checks": checks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tripwires.load_state_dict(state["tripwires"])
+        if self.schedule is not None:
+            self.schedule.checks[:] = state["generation_checks"]
+
+
 def run_record(cfg: ArmConfig) -> dict[str, Any]:
     """The settings a rerun's response can change, as a run records them."""
     return {"lr": cfg.optimizer.lr, "beta": cfg.dpo.beta, "rpo_alpha": cfg.dpo.rpo_alpha}
@@ -248,7 +264,7 @@ def _train_once(cfg: ArmConfig, ctx: GateContext, run_dir: Path, name: str) -> d
     def on_step(metrics: dict[str, Any]) -> None:
         tripwires.update(trainer.adapter.pair_stats)
         trainer.adapter.pair_stats.clear()
-        alarms = tripwires.check(metrics["step"], any_rank)
+        alarms = tripwires.check(metrics["step"], all_gather_floats)
         done = trainer.state.step
         if schedule is not None and schedule.due(done, horizon):
             alarms += tripwires.check_generation(done, schedule.run(model, info, done), any_rank)
@@ -273,7 +289,7 @@ def _train_once(cfg: ArmConfig, ctx: GateContext, run_dir: Path, name: str) -> d
             alarms = tripwires.check_generation(0, schedule.checks[0], any_rank)
             if alarms:
                 raise TripwireAlarm(alarms)
-        run["summary"] = trainer.fit(on_step=on_step)
+        run["summary"] = trainer.fit(on_step=on_step, rank_state=WireState(tripwires, schedule))
     except TripwireAlarm as alarm:
         run["alarms"] = [a.as_dict() for a in alarm.alarms]
         run["summary"] = trainer.summary()

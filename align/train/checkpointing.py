@@ -3,7 +3,8 @@
 A checkpoint is written under a `.partial` name by every rank, and only after all
 ranks finished does rank 0 write COMPLETE and rename it into place, so a reader
 never mistakes a torn one for valid. Trainer counters and the scheduler go in JSON,
-each rank's RNG state in safetensors; nothing is pickled.
+each rank's RNG state in safetensors and each rank's own state (a stage's, such as its
+tripwire windows) in JSON; nothing is pickled.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ TRAINER_STATE = "trainer_state.json"
 
 def _rng_file(rank: int) -> str:
     return f"rng_rank{rank:05d}.safetensors"
+
+
+def _rank_state_file(rank: int) -> str:
+    return f"state_rank{rank:05d}.json"
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,15 @@ class CheckpointManager:
         barrier()
         return moved
 
-    def save(self, micro_step: int, model, optimizer, trainer_state: dict[str, Any]) -> Checkpoint:
+    def save(
+        self,
+        micro_step: int,
+        model,
+        optimizer,
+        trainer_state: dict[str, Any],
+        rank_state: dict[str, Any] | None = None,
+    ) -> Checkpoint:
+        """Every rank writes its shards, its RNG state and `rank_state` (if any)."""
         final = self.root / f"micro_{micro_step:08d}"
         partial = final.with_name(final.name + ".partial")
         if self.info.is_main:
@@ -88,6 +101,8 @@ class CheckpointManager:
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial))
         save_file(_rng_state(), str(partial / _rng_file(self.info.rank)))
+        if rank_state is not None:
+            write_json_atomic(partial / _rank_state_file(self.info.rank), rank_state)
         if self.info.is_main:
             write_json_atomic(partial / TRAINER_STATE, trainer_state)
         barrier()
@@ -124,6 +139,13 @@ class CheckpointManager:
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
         _set_rng_state(load_file(str(checkpoint.path / _rng_file(self.info.rank))))
         return state
+
+    def load_rank_state(self, checkpoint: Checkpoint) -> dict[str, Any]:
+        """This rank's own state, as `save` was given it."""
+        path = checkpoint.path / _rank_state_file(self.info.rank)
+        if not path.is_file():
+            raise ValueError(f"{path}: missing; this run resumes a rank state its checkpoint lacks")
+        return json.loads(path.read_text())
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

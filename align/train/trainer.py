@@ -110,6 +110,7 @@ class Trainer:
         self.stop = StopRequest()
         self.resumed_from: str | None = None
         self.resumed_after: dict[str, Any] | None = None  # the stop the resume follows
+        self.rank_state = None  # see fit
         # The stage's one marker, the file its launcher reads, whichever run of it stopped.
         self.stop_marker = Path(stop_marker) if stop_marker else stop_marker_in(self.run_dir)
 
@@ -135,6 +136,8 @@ class Trainer:
         saved = self.checkpoints.load(latest, self.model, self.optimizer)
         self.scheduler.load_state_dict(saved["scheduler"])
         self.state = TrainState(**saved["trainer"])
+        if self.rank_state is not None:
+            self.rank_state.load_state_dict(self.checkpoints.load_rank_state(latest))
         self.resumed_from = str(latest.path)
         if self.info.is_main:
             print(
@@ -204,8 +207,14 @@ class Trainer:
                 f"trainer.max_skipped_fraction={self.cfg.max_skipped_fraction}"
             )
 
-    def fit(self, on_step=None) -> dict[str, Any]:
-        """Run to the horizon (or max_micro_steps); `on_step(metrics)` sees every step's metrics."""
+    def fit(self, on_step=None, rank_state=None) -> dict[str, Any]:
+        """Run to the horizon (or max_micro_steps); `on_step(metrics)` sees every step's metrics.
+
+        `rank_state` (state_dict / load_state_dict, JSON-ready) is what this rank keeps
+        beside the model, such as tripwire windows: each checkpoint holds it, a resume
+        restores it.
+        """
+        self.rank_state = rank_state
         self.prepare()
         self.stop.install()
         total = len(self.source)
@@ -263,8 +272,9 @@ class Trainer:
             "world_size": self.info.world_size,
             "stage": self.stage,
         }
+        rank_state = self.rank_state.state_dict() if self.rank_state is not None else None
         return self.checkpoints.save(
-            self.state.micro_step, self.model, self.optimizer, trainer_state
+            self.state.micro_step, self.model, self.optimizer, trainer_state, rank_state
         )
 
     def _own_stop(self) -> dict[str, Any] | None:

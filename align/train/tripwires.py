@@ -9,7 +9,10 @@
 - generation: the periodic greedy generations of a fixed held-out prompt set (figures
   already summed over ranks) leave the band of align.eval.sanity: too few end
   (`generation_terminated`) or their mean length leaves its band (`generation_length`).
-Each rank sees its own pairs; alarms are a union across ranks, so all ranks decide alike.
+Each rank sees its own pairs; alarms are a union across ranks, so all ranks decide alike,
+and an alarm records the rank that set it off with that rank's value.
+A rank's windows and signal history are part of its checkpoint (`state_dict`), so a
+resumed run decides as the uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -37,13 +40,23 @@ class PairStats:
 
 @dataclass
 class Alarm:
+    """A signal out of its band. `rank` is the first rank whose own window set it off,
+    and `value` that rank's signal; None for a job-wide figure (the generation checks)."""
+
     name: str
     step: int
     value: float
     band: list[float]
+    rank: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "step": self.step, "value": self.value, "band": self.band}
+        return {
+            "name": self.name,
+            "step": self.step,
+            "value": self.value,
+            "band": self.band,
+            "rank": self.rank,
+        }
 
 
 class ChosenCollapse:
@@ -74,6 +87,20 @@ class ChosenCollapse:
     def band(self) -> list[float]:
         return [self.floor, float("inf")]
 
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "logratios": list(self.logratios),
+            "margins": list(self.margins),
+            "start_margin": self.start_margin,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.logratios.clear()
+        self.logratios.extend(state["logratios"])
+        self.margins.clear()
+        self.margins.extend(state["margins"])
+        self.start_margin = state["start_margin"]
+
 
 class LengthDrift:
     name = "length_drift"
@@ -100,6 +127,13 @@ class LengthDrift:
     def band(self) -> list[float]:
         return [self.baseline - self.width, self.baseline + self.width]
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"prefers_longer": list(self.prefers_longer)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.prefers_longer.clear()
+        self.prefers_longer.extend(state["prefers_longer"])
+
 
 class GenerationWire:
     """The periodic generation check against its band: one signal and alarm per figure."""
@@ -122,6 +156,15 @@ class GenerationWire:
             self.terminated: [self.band.min_terminated, 1.0],
             self.length: [self.band.length_low, self.band.length_high],
         }
+
+
+def describe_alarm(alarm: Mapping[str, Any]) -> str:
+    """One alarm (`Alarm.as_dict()`) as the logs name it."""
+    where = "" if alarm.get("rank") is None else f", rank {alarm['rank']}"
+    return (
+        f"{alarm['name']} at step {alarm['step']} "
+        f"({alarm['value']:.4g} outside {alarm['band']}{where})"
+    )
 
 
 @dataclass
@@ -161,22 +204,19 @@ class Tripwires:
             for detector in self.detectors:
                 detector.update(batch)
 
-    def check(self, step: int, any_rank) -> list[Alarm]:
-        """Alarms of this step, unioned across ranks by `any_rank` (a collective per detector)."""
+    def check(self, step: int, gather) -> list[Alarm]:
+        """Alarms of this step, a union over ranks. `gather(x)` returns every rank's `x` in
+        rank order (a collective per detector, and one more for the value when one fires)."""
         alarms = []
         for detector in self.detectors:
             value = detector.signal()
             if value is not None:
                 self.signals[detector.name].append([step, value])
-            if any_rank(detector.fired()):
-                alarms.append(
-                    Alarm(
-                        detector.name,
-                        step,
-                        float("nan") if value is None else value,
-                        detector.band(),
-                    )
-                )
+            fired = gather(1.0 if detector.fired() else 0.0)
+            if any(fired):
+                rank = fired.index(1.0)
+                values = gather(float("nan") if value is None else value)
+                alarms.append(Alarm(detector.name, step, values[rank], detector.band(), rank))
         return alarms
 
     def check_generation(self, step: int, check: Mapping[str, float], any_rank) -> list[Alarm]:
@@ -194,3 +234,22 @@ class Tripwires:
     def bands(self) -> dict[str, list[float]]:
         bands = {d.name: d.band() for d in self.detectors}
         return {**bands, **(self.generation.bands() if self.generation else {})}
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's windows and the signal history, as JSON-ready lists."""
+        return {
+            "windows": {d.name: d.state_dict() for d in self.detectors},
+            "signals": self.signals,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from `state_dict()` of the same armed wires; refuses any other."""
+        armed = sorted(self.signals)
+        if sorted(state["signals"]) != armed:
+            raise ValueError(
+                f"the checkpoint's tripwire state is of wires {sorted(state['signals'])}, "
+                f"but this run arms {armed}"
+            )
+        for detector in self.detectors:
+            detector.load_state_dict(state["windows"][detector.name])
+        self.signals = {name: [list(point) for point in state["signals"][name]] for name in armed}

@@ -130,10 +130,9 @@ def write_arm_result(loaded, ctx: GateContext, stage: Stage, out, common: dict) 
 
 def fired(tripwire: dict, run: str) -> str:
     """The alarms of one training run, as the log line names them."""
-    alarms = [a for a in tripwire["fired"] if a["run"] == run]
-    return ", ".join(
-        f"{a['name']} at step {a['step']} ({a['value']:.4g} outside {a['band']})" for a in alarms
-    )
+    from align.train.tripwires import describe_alarm
+
+    return ", ".join(describe_alarm(a) for a in tripwire["fired"] if a["run"] == run)
 
 
 if __name__ == "__main__":
