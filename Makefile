@@ -33,7 +33,8 @@ services:
 # them come tests that need no finished default run, to fill the cores the other run's
 # single-rank and single-threaded tests leave idle.
 BESIDE := tests/test_slurm.py tests/test_trainer_multirank.py tests/test_flash_attn.py \
-	tests/test_kernel_gate_rule.py tests/test_generation_sanity.py tests/test_optim.py
+	tests/test_kernel_gate_rule.py tests/test_generation_sanity.py tests/test_optim.py \
+	tests/test_ref_precompute.py tests/test_train_units.py tests/test_probe_peaks.py
 test: bytecode services
 	@log=$$(mktemp); \
 	ALIGN_SERVICES=required $(PY) -m pytest -q $(BESIDE) > $$log 2>&1 & beside=$$!; \
