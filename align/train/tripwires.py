@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -50,13 +50,7 @@ class Alarm:
     rank: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "step": self.step,
-            "value": self.value,
-            "band": self.band,
-            "rank": self.rank,
-        }
+        return asdict(self)
 
 
 class ChosenCollapse:
