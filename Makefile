@@ -4,24 +4,26 @@ PY := $(VENV)/bin/python
 CORES ?= 2
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: arms test lint install services bytecode
+# Each module's bytecode is written by the first process that imports it and read by every
+# later one (every rank of every stage imports torch); with PYTHONDONTWRITEBYTECODE set,
+# each process would compile its imports again.
+unexport PYTHONDONTWRITEBYTECODE
 
+.PHONY: arms test lint install services
+
+# Nothing is compiled at install: the first import writes the bytecode of what is used.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	# The CPU build of torch first, so nothing below pulls a CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	# The CPU build of torch first (pip takes it from this machine's disk), so nothing
+	# below pulls a CUDA build.
+	$(PY) -m pip install --quiet --no-compile torch==2.13.0 uv==0.13.9
+	# uv fetches and installs the rest in parallel; the installed torch satisfies the pin.
+	$(VENV)/bin/uv pip install --quiet --python $(PY) -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
 
-# An editable install leaves the project's own modules uncompiled; where
-# PYTHONDONTWRITEBYTECODE is set, every stage process would compile them again.
-bytecode: install
-	$(PY) -m compileall -q align
-
-arms: bytecode
+arms: install
 	snakemake --cores $(CORES) arms
 
 # Headless Chromium and the two-node Slurm cluster the suite tests against (root or sudo).
@@ -35,7 +37,9 @@ services:
 BESIDE := tests/test_slurm.py tests/test_trainer_multirank.py tests/test_flash_attn.py \
 	tests/test_kernel_gate_rule.py tests/test_generation_sanity.py tests/test_optim.py \
 	tests/test_ref_precompute.py tests/test_train_units.py tests/test_probe_peaks.py
-test: bytecode services
+# The install and the services' packages are fetched side by side.
+test:
+	@$(MAKE) --no-print-directory -j2 install services
 	@log=$$(mktemp); \
 	ALIGN_SERVICES=required $(PY) -m pytest -q $(BESIDE) > $$log 2>&1 & beside=$$!; \
 	ALIGN_SERVICES=required $(PY) -m pytest -q $(BESIDE:%=--ignore=%); rest=$$?; \

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from tiny_models import TINY_SIZES
+from tiny_models import TINY_SIZES, tiny_mistral_config
 
 from align.config import GenerationBandConfig
 from align.eval.generation import greedy_generate_batch
@@ -54,6 +54,61 @@ def test_batched_decoding_equals_decoding_each_prompt_alone(tiny_checkpoint):
     alone = [greedy_generate_batch(model, [p], MAX_NEW, eos, PAD)[0] for p in PROMPTS]
     assert together == alone
     assert together[1][1] is True and len(together[1][0]) == 2
+
+
+def recomputed(model, prompt: list[int], max_new: int) -> list[int]:
+    """Greedy decoding of one prompt the plain way: the whole sequence, every step."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize(
+    "attn, window", [("sdpa", None), ("eager", None), ("sdpa", 3), ("eager", 3)]
+)
+def test_cached_decoding_equals_recomputing_the_whole_sequence(attn, window):
+    from align.model.mistral import NmoMistralForCausalLM
+
+    torch.manual_seed(0)
+    model = NmoMistralForCausalLM(tiny_mistral_config(sliding_window=window), attn).eval()
+    cached = greedy_generate_batch(model, PROMPTS, 12, eos_id=-1, pad_id=PAD)
+    assert [new for new, _ in cached] == [recomputed(model, p, 12) for p in PROMPTS]
+
+    # The logits too, two steps past right-padded prompts of different lengths.
+    from align.eval.generation import right_padded
+    from align.model.kv_cache import KVCache
+
+    cache, ids, mask = KVCache(8), *right_padded(PROMPTS, PAD, "cpu")
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache)
+        model(torch.tensor([[30]] * len(PROMPTS)), cache=cache)
+        step = model(torch.tensor([[31]] * len(PROMPTS)), cache=cache)[:, 0]
+        alone = torch.stack([model(torch.tensor([[*p, 30, 31]]))[0, -1] for p in PROMPTS])
+    torch.testing.assert_close(step, alone, rtol=0, atol=1e-5)
+
+
+def test_decoding_runs_one_token_per_row_after_the_prefill(tiny_checkpoint):
+    model = plain_model(tiny_checkpoint)
+    widths = []
+    model.register_forward_hook(lambda module, args, out: widths.append(args[0].shape))
+    greedy_generate_batch(model, PROMPTS, 4, eos_id=-1, pad_id=PAD)
+    assert widths == [(4, 4)] + [(4, 1)] * 3
+
+
+def test_a_decoding_cache_is_refused_with_the_prefix_shared_layout(tiny_checkpoint):
+    from align.model.kv_cache import KVCache
+
+    model = plain_model(tiny_checkpoint)
+    ids = torch.tensor([[5, 9, 12]])
+    with pytest.raises(ValueError, match="plain right-padded rows, not segments"):
+        model(
+            ids,
+            position_ids=torch.tensor([[0, 1, 2]]),
+            segment_ids=torch.ones_like(ids),
+            cache=KVCache(8),
+        )
 
 
 def test_decoding_stops_when_every_prompt_has_ended(tiny_checkpoint):

@@ -1,9 +1,11 @@
 """Greedy generation: the SFT gate's sanity check, the selection's length probe and the
-DPO stage's periodic generation check, all decoded the same way (no KV cache: the
-prompts are short and few).
+DPO stage's periodic generation check, all decoded the same way.
 
-`greedy_generate_batch` decodes several prompts together, right-padded, recomputing the
-whole sequence each step. With a sharded model every forward is a collective, so
+`greedy_generate_batch` decodes several prompts together, right-padded: one prefill
+forward, then one token per row per step through a key/value cache. A model on the
+Triton kernel, which attends only over key lengths, recomputes the whole sequence each
+step instead, so that the kernel its receipt names is the one that decodes. With a
+sharded model every forward is a collective, so
 `keep_going` lets the ranks agree on when to stop and every rank runs the same number
 of forwards; `generation_check` splits a prompt set over the ranks that way and sums
 what each rank saw.
@@ -16,8 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from align.model.kv_cache import KVCache
 
-def _padded(rows: Sequence[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+
+def right_padded(
+    rows: Sequence[list[int]], pad_id: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -47,6 +53,9 @@ def greedy_generate_batch(
     rows = [list(p) for p in prompts]
     new: list[list[int]] = [[] for _ in rows]
     done = [False] * len(rows)
+    cache = None
+    if rows and model.attn_implementation != "triton_fa2":
+        cache = KVCache(max(map(len, rows)) + max_new_tokens)
     idle = torch.tensor([[pad_id]], dtype=torch.long, device=device)
     for _ in range(max_new_tokens):
         active = [i for i, finished in enumerate(done) if not finished]
@@ -55,17 +64,31 @@ def greedy_generate_batch(
         if not active:
             model(idle)
             continue
-        ids, mask = _padded([rows[i] for i in active], pad_id, device)
-        logits = model(ids, attention_mask=mask)
-        last = mask.sum(dim=1) - 1
-        next_ids = logits[torch.arange(len(active), device=logits.device), last].argmax(-1)
-        for i, token in zip(active, next_ids.tolist(), strict=True):
+        picks = _next_tokens(model, rows, active, cache, pad_id, device)
+        for i, token in zip(active, picks, strict=True):
             if token == eos_id:
                 done[i] = True
             else:
                 new[i].append(token)
                 rows[i].append(token)
     return [(tokens, finished) for tokens, finished in zip(new, done, strict=True)]
+
+
+def _next_tokens(
+    model, rows: list[list[int]], active: list[int], cache: KVCache | None, pad_id: int, device
+) -> list[int]:
+    """The greedy next token of each active row. With a cache every row keeps its slot
+    (an ended row's tokens are decoded and dropped); without, only active rows run."""
+    if cache is None or not cache.prefilled:
+        running = [rows[i] for i in active] if cache is None else rows
+        ids, mask = right_padded(running, pad_id, device)
+        logits = model(ids, attention_mask=mask, cache=cache)
+        picks = logits[torch.arange(len(running), device=logits.device), mask.sum(dim=1) - 1]
+    else:
+        last = torch.tensor([[row[-1]] for row in rows], dtype=torch.long, device=device)
+        picks = model(last, cache=cache)[:, 0]
+    tokens = picks.argmax(-1).tolist()
+    return tokens if cache is None else [tokens[i] for i in active]
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 Every backend computes grouped-query causal attention with the same contract:
 q [B, Hq, T, D], k/v [B, Hkv, T, D], and a boolean mask [B, 1, T, T] (True =
-attend) or None for pure causal attention. The exception is "triton_fa2", this
+attend) or None for pure causal attention; with a mask, q may hold fewer positions
+than k/v (a cached decoding step). The exception is "triton_fa2", this
 package's Triton kernel: it takes right-padded key lengths [B] (int32) or None in
 place of the mask, is offered only on CUDA, and only once its equivalence gate
 has a passed receipt for the current kernel, software and device. New backends
@@ -105,8 +106,11 @@ def select_attn_implementation(name: str, device: torch.device | str) -> str:
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, impl: str
 ) -> torch.Tensor:
-    """Grouped-query causal attention with the backend `impl`; returns [B, Hq, T, D]."""
-    check_gqa_shapes(q, k, v)
+    """Grouped-query causal attention with the backend `impl`; returns [B, Hq, T, D].
+
+    A boolean mask may pair fewer queries with more keys (a cached decoding step); the
+    Triton kernel's key lengths may not."""
+    check_gqa_shapes(q, k, v, fewer_queries=mask is not None and impl != "triton_fa2")
     if impl not in ATTENTION_BACKENDS:
         raise _unavailable(impl)
     return ATTENTION_BACKENDS[impl](q, k, v, mask)

@@ -21,6 +21,7 @@ from align.constants import PAD_SEGMENT, PREFIX_SEGMENT
 from align.losses.fused import DEFAULT_CHUNK_SIZE, fused_sequence_logps
 from align.model.attention import attention, select_attn_implementation
 from align.model.hf_config import MistralConfig
+from align.model.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -55,13 +56,20 @@ class SelfAttention(nn.Module):
         self.o = nn.Linear(q_width, hidden, bias=False)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: tuple[KVCache, int] | None = None,
     ) -> torch.Tensor:
+        """`cache` is (the decoding cache, this layer's index) while generating."""
         batch, length, _ = x.shape
         q = self.q(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if cache is not None:
+            k, v = cache[0].update(cache[1], k, v)
         out = attention(q, k, v, mask, self.attn_implementation)
         return self.o(out.transpose(1, 2).reshape(batch, length, -1))
 
@@ -90,9 +98,13 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: tuple[KVCache, int] | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, mask)
+        x = x + self.attn(self.attn_norm(x), rope, mask, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -142,6 +154,7 @@ class NmoMistralForCausalLM(nn.Module):
         loss_chunk_size: int = DEFAULT_CHUNK_SIZE,
         position_ids: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [B, T, V], or the final normed hidden states [B, T, H] if `return_hidden`,
         or with shifted `labels` [B, T] (see align.losses.fused.shift_labels) the summed label
@@ -153,18 +166,46 @@ class NmoMistralForCausalLM(nn.Module):
         prefix-shared layout passes `position_ids` and `segment_ids` [B, T] together (see
         `build_segment_mask`); an `attention_mask` beside them must agree with them. The
         label path runs inside forward so a sharded lm_head is gathered while it is used.
+
+        With a `cache` (greedy decoding, see align.model.kv_cache) the first call is the
+        prefill of right-padded prompts; each later call takes one new token per row [B, 1].
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if cache is not None and cache.prefilled:
+            return self._decode_step(input_ids, cache)
         x = self.embed(input_ids)
         rope = rope_cos_sin(self.config, input_ids.shape[1], x.dtype, x.device, position_ids)
         mask = self._mask(input_ids, attention_mask, position_ids, segment_ids)
-        for layer in self.layers:
-            x = layer(x, rope, mask)
+        if cache is not None:
+            self._require_cacheable(segment_ids)
+            cache.start(input_ids, attention_mask)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, rope, mask, None if cache is None else (cache, index))
         hidden = self.norm(x)
         if labels is not None:
             return self._label_logps(hidden, labels, loss_chunk_size)
         return hidden if return_hidden else self.lm_head(hidden)
+
+    def _decode_step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits [B, 1, V] of one new token per row, attending over the cached keys."""
+        positions = cache.positions()
+        x = self.embed(input_ids)
+        rope = rope_cos_sin(self.config, 1, x.dtype, x.device, positions)
+        mask = cache.decode_mask(self.config.sliding_window)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, rope, mask, (cache, index))
+        cache.advance()
+        return self.lm_head(self.norm(x))
+
+    def _require_cacheable(self, segment_ids: torch.Tensor | None) -> None:
+        if self.attn_implementation == "triton_fa2":
+            raise ValueError(
+                "attention backend 'triton_fa2' attends causally over key lengths only, and a "
+                "cached decoding step needs a mask: decode without a cache"
+            )
+        if segment_ids is not None:
+            raise ValueError("the decoding cache takes plain right-padded rows, not segments")
 
     def _mask(
         self,
