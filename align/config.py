@@ -9,6 +9,7 @@ returned so every receipt can record them. Imports nothing heavy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import tomllib
 import types
@@ -632,8 +633,13 @@ def load_config(path: str | Path, cls: type[T], overrides: list[str] | None = No
     return Loaded(cfg=cfg, source=path, source_hash=hash_file(path), overrides=applied)
 
 
+# A config class's annotations are strings (postponed evaluation); resolving them is most of
+# a load's time, and they never change.
+_type_hints = functools.cache(typing.get_type_hints)
+
+
 def _build(cls: type, raw: dict[str, Any], where: str, prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in names:

@@ -1,6 +1,7 @@
 # Input and resource functions shared by the rules. Paths come from align.paths,
 # the same module the stage scripts use; configs are read with align.config
 # (stdlib only, so this costs milliseconds).
+import functools
 import json
 import math
 import shlex
@@ -58,15 +59,29 @@ def arm_toml(arm):
 
 
 def arm_cfg(arm):
-    return load_config(arm_toml(arm), ArmConfig).cfg
+    return loaded_cfg(arm_toml(arm), ArmConfig)
 
 
 def sft_cfg():
-    return load_config(SFT_TOML, SftConfig).cfg
+    return loaded_cfg(SFT_TOML, SftConfig)
 
 
 def selection_cfg():
-    return load_config(SELECTION_TOML, SelectionConfig).cfg
+    return loaded_cfg(SELECTION_TOML, SelectionConfig)
+
+
+def loaded_cfg(path, cls):
+    """The pre-registration at `path`, read once per version of the file: the DAG asks for
+    each one on behalf of every job. Callers read it and never change it."""
+    if not Path(path).is_file():
+        return load_config(path, cls).cfg  # raises, naming the file
+    stat = Path(path).stat()
+    return _load_cfg(str(path), cls, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.cache
+def _load_cfg(path, cls, mtime_ns, size):
+    return load_config(path, cls).cfg
 
 
 # The pre-registration a job of each rule runs under, as a function of its wildcards.
