@@ -211,6 +211,8 @@ def chain_config(work: Path, arm: str, **checkpoints: str) -> Path:
         "arm_config_dir": str(HUB_CONFIGS / "arms"),
         "sft_config": str(HUB_CONFIGS / "sft.toml"),
         "selection_config": str(selection),
+        # The two chains run side by side, one single-rank job each: one thread apiece.
+        "threads": 1,
         **checkpoints,
     }
     path = work / "config.yaml"
