@@ -21,6 +21,9 @@ class KVCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.lengths: torch.Tensor | None = None
+        # Slots a decoding step attends over, up to the longest row's new token: kept as an
+        # int so that no layer reads it back from the device.
+        self.width = 0
 
     @property
     def prefilled(self) -> bool:
@@ -35,6 +38,7 @@ class KVCache:
             self.lengths = torch.full((batch,), length, dtype=torch.long, device=input_ids.device)
         else:
             self.lengths = attention_mask.sum(dim=1).long()
+        self.width = int(self.lengths.max()) + 1
 
     def positions(self) -> torch.Tensor:
         """The position of each row's next token [B, 1] (a decoding step's position_ids)."""
@@ -42,16 +46,12 @@ class KVCache:
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
         """Boolean [B, 1, 1, width] mask of the keys a decoding step's one query sees."""
-        slots = torch.arange(self.width(), device=self.lengths.device)[None, :]
+        slots = torch.arange(self.width, device=self.lengths.device)[None, :]
         query = self.lengths[:, None]
         allowed = slots <= query
         if sliding_window is not None:
             allowed &= slots > query - sliding_window
         return allowed[:, None, None, :]
-
-    def width(self) -> int:
-        """Slots a decoding step attends over: up to the longest row's new token."""
-        return int(self.lengths.max()) + 1
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -66,14 +66,14 @@ class KVCache:
             return k, v
         if k.shape[2] != 1:
             raise ValueError(f"a decoding step takes one token per row, got {k.shape[2]}")
-        if self.width() > self.capacity:
+        if self.width > self.capacity:
             raise ValueError(f"decoding past the cache's {self.capacity} slots")
         slot = self.lengths[:, None, None, None].expand(-1, k.shape[1], 1, k.shape[3])
         self.keys[layer].scatter_(2, slot, k)
         self.values[layer].scatter_(2, slot, v)
-        width = self.width()
-        return self.keys[layer][:, :, :width], self.values[layer][:, :, :width]
+        return self.keys[layer][:, :, : self.width], self.values[layer][:, :, : self.width]
 
     def advance(self) -> None:
         """After a decoding step: every row holds one more token."""
         self.lengths = self.lengths + 1
+        self.width += 1

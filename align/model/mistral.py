@@ -172,31 +172,26 @@ class NmoMistralForCausalLM(nn.Module):
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-        if cache is not None and cache.prefilled:
-            return self._decode_step(input_ids, cache)
+        decoding = cache is not None and cache.prefilled
         x = self.embed(input_ids)
-        rope = rope_cos_sin(self.config, input_ids.shape[1], x.dtype, x.device, position_ids)
-        mask = self._mask(input_ids, attention_mask, position_ids, segment_ids)
-        if cache is not None:
-            self._require_cacheable(segment_ids)
-            cache.start(input_ids, attention_mask)
+        if decoding:
+            rope = rope_cos_sin(self.config, 1, x.dtype, x.device, cache.positions())
+            mask = cache.decode_mask(self.config.sliding_window)
+        else:
+            length = input_ids.shape[1]
+            rope = rope_cos_sin(self.config, length, x.dtype, x.device, position_ids)
+            mask = self._mask(input_ids, attention_mask, position_ids, segment_ids)
+            if cache is not None:
+                self._require_cacheable(segment_ids)
+                cache.start(input_ids, attention_mask)
         for index, layer in enumerate(self.layers):
             x = layer(x, rope, mask, None if cache is None else (cache, index))
+        if decoding:
+            cache.advance()
         hidden = self.norm(x)
         if labels is not None:
             return self._label_logps(hidden, labels, loss_chunk_size)
         return hidden if return_hidden else self.lm_head(hidden)
-
-    def _decode_step(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Logits [B, 1, V] of one new token per row, attending over the cached keys."""
-        positions = cache.positions()
-        x = self.embed(input_ids)
-        rope = rope_cos_sin(self.config, 1, x.dtype, x.device, positions)
-        mask = cache.decode_mask(self.config.sliding_window)
-        for index, layer in enumerate(self.layers):
-            x = layer(x, rope, mask, (cache, index))
-        cache.advance()
-        return self.lm_head(self.norm(x))
 
     def _require_cacheable(self, segment_ids: torch.Tensor | None) -> None:
         if self.attn_implementation == "triton_fa2":
