@@ -9,7 +9,6 @@ tripwire windows) in JSON; nothing is pickled.
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import sys
@@ -24,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from align.paths import checkpoints_in
-from align.receipts import write_json_atomic
+from align.receipts import read_json, write_json_atomic
 from align.utils.dist import DistInfo, barrier
 
 NAME = re.compile(r"^micro_(\d{8})$")
@@ -129,7 +128,7 @@ class CheckpointManager:
 
     def load(self, checkpoint: Checkpoint, model, optimizer) -> dict[str, Any]:
         """Restore model, optimizer and this rank's RNG; return the trainer state."""
-        state = json.loads((checkpoint.path / TRAINER_STATE).read_text())
+        state = read_json(checkpoint.path / TRAINER_STATE)
         if state["world_size"] != self.info.world_size:
             raise ValueError(
                 f"{checkpoint.path}: written by world size {state['world_size']}, resuming with {self.info.world_size}"
@@ -145,7 +144,7 @@ class CheckpointManager:
         path = checkpoint.path / _rank_state_file(self.info.rank)
         if not path.is_file():
             raise ValueError(f"{path}: missing; this run resumes a rank state its checkpoint lacks")
-        return json.loads(path.read_text())
+        return read_json(path)
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
