@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from align.constants import DTYPES
+from align.constants import CPU_ISAS, DTYPES
 from align.exit_codes import ConfigError
 from align.receipts import hash_file, hash_json
 from align.topology import divides, ranks_per_node
@@ -432,6 +432,10 @@ class RunConfig:
     # The site's ranks (GPUs) per node, for arms that pre-register none; 0: one node.
     gpus_per_node: int = 0
     threads: int = 2
+    # The widest instruction set torch's CPU kernels, MKL and oneDNN may use: a CPU run then
+    # computes the same bits on every x86-64 CPU that has it. Empty: each library takes the
+    # widest this CPU has, and CPUs of different generations round differently.
+    cpu_isa: str = ""
     # Two heavy stages outside a scheduler never share this host: wait, refuse, or off.
     # Inside a Slurm job the scheduler owns the node and no lock is taken.
     heavy_lock: str = "wait"
@@ -449,6 +453,7 @@ class RunConfig:
         return [
             at_least("gpus_per_node", self.gpus_per_node, 0),
             at_least("threads", self.threads, 1),
+            one_of("cpu_isa", self.cpu_isa, ("", *CPU_ISAS)),
         ]
 
 

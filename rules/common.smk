@@ -50,6 +50,7 @@ RUN_OVERRIDES = " ".join(
         f"--run.base_model={config['base_model']}",
         f"--run.sft_checkpoint={config['sft_checkpoint']}",
         f"--run.gpus_per_node={config['gpus_per_node']}",
+        f"--run.cpu_isa={config['cpu_isa']}",
     ]
 )
 

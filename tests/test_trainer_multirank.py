@@ -47,9 +47,10 @@ def topology(world: int) -> list[str]:
     ]
 
 
+LR = 5e-3
 COMMON = [
     "--epochs=2",
-    "--lr=5e-3",
+    f"--lr={LR}",
     "--warmup_steps=1",
     "--run.threads=1",
     "--trainer.keep_checkpoints=2",
@@ -138,9 +139,11 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(workdir, uninterru
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
         assert a["rewards/margins"] == pytest.approx(b["rewards/margins"], rel=1e-5, abs=1e-6)
+    # Adam moves every element by about lr per step whatever its gradient's size, so the
+    # reduction order's rounding in a near-zero gradient shows up as a fraction of lr.
     w1, w2 = weights(workdir, "full1"), weights(workdir, "full2")
     for name in w1:
-        np.testing.assert_allclose(w1[name], w2[name], rtol=0, atol=2e-5, err_msg=name)
+        np.testing.assert_allclose(w1[name], w2[name], rtol=0, atol=LR / 100, err_msg=name)
 
 
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])

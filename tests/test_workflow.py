@@ -64,6 +64,17 @@ def test_every_receipt_is_passed_and_its_hashes_hold(workdir, monkeypatch):
         assert result["overrides"]["run.results_dir"] == "results"
 
 
+def test_every_rank_of_the_default_run_computed_at_the_pinned_instruction_set(workdir):
+    """config.yaml pins AVX2, so the figures are the same bits on any x86-64 CPU with it."""
+    paths = RunPaths.of(workdir / "results")
+    receipts = [paths.sft_receipt, paths.selection, *(paths.arm(a).arm_result for a in ARMS)]
+    for path in receipts:
+        receipt = json.loads(Path(path).read_text())
+        assert receipt["overrides"]["run.cpu_isa"] == "avx2", path
+        devices = receipt["figures"]["devices"]
+        assert devices and all(":cpu:AVX2:pid" in device for device in devices), (path, devices)
+
+
 @pytest.mark.parametrize("arm", ARMS)
 def test_dpo_policy_beats_sft_on_held_out_pairs(workdir, arm):
     result = json.loads((workdir / "results" / arm / "arm_result.json").read_text())

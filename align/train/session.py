@@ -30,6 +30,7 @@ from align.train.precision import Precision
 from align.train.trainer import Trainer
 from align.utils.dist import (
     DistInfo,
+    assert_cpu_isa,
     assert_distinct_devices,
     assert_launch_topology,
     init_distributed,
@@ -41,6 +42,7 @@ def start_session(run_dir: str | Path, run: RunConfig, batch: BatchConfig | None
     attention kernel that needs an equivalence receipt reads the one the workflow wrote."""
     os.environ[RECEIPT_ENV] = str(RunPaths.of(run.results_dir).kernel_receipt)
     info = init_distributed(run_dir, run.device)
+    assert_cpu_isa(run.cpu_isa)
     if batch is not None:
         assert_launch_topology(batch, info.world_size)
     info = dataclasses.replace(info, devices=tuple(assert_distinct_devices(info)))

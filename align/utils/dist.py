@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from align.config import BatchConfig
+from align.constants import CPU_ISAS
 from align.exit_codes import ConfigError, GateRefused
 
 
@@ -83,11 +84,23 @@ def host_name() -> str:
 
 def device_identity(info: DistInfo) -> str:
     """What makes a rank's device distinct: the node, the GPU's index and UUID (or the CPU
-    process)."""
+    process, with the instruction set its kernels run)."""
     if info.device.type == "cuda":
         props = torch.cuda.get_device_properties(info.device)
         return f"{host_name()}:cuda:{info.device.index}:{props.uuid}"
-    return f"{host_name()}:cpu:pid{os.getpid()}"
+    return f"{host_name()}:cpu:{torch.backends.cpu.get_cpu_capability()}:pid{os.getpid()}"
+
+
+def assert_cpu_isa(isa: str) -> None:
+    """Refuse a run.cpu_isa that torch's CPU kernels do not run at (empty: any)."""
+    if not isa:
+        return
+    expected, found = CPU_ISAS[isa]["torch_capability"], torch.backends.cpu.get_cpu_capability()
+    if found != expected:
+        raise ConfigError(
+            f"run.cpu_isa={isa!r} requested but torch's CPU kernels run {found} on "
+            f"{host_name()}: the CPU lacks {expected}, or torch computed before the pin"
+        )
 
 
 def assert_distinct_devices(info: DistInfo, identity: str | None = None) -> list[str]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from align.constants import CPU_ISAS
 from align.exit_codes import ConfigError, PreflightRefused
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -29,6 +30,23 @@ def cap_threads(threads: int) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+def pin_cpu_isa(isa: str) -> None:
+    """Cap the CPU math libraries at `isa` (empty: leave them to pick); call before torch
+    computes anything, since each library reads its variable once. The stage's device
+    identity reads back what torch dispatches to."""
+    if not isa:
+        return
+    if isa not in CPU_ISAS:
+        raise ConfigError(f"run.cpu_isa expected one of {tuple(CPU_ISAS)}, found {isa!r}")
+    os.environ.update(CPU_ISAS[isa]["env"])
+
+
+def configure_cpu(run) -> None:
+    """The run's thread cap and instruction-set pin, before torch is imported."""
+    cap_threads(run.threads)
+    pin_cpu_isa(run.cpu_isa)
 
 
 def heavy_lock_path(configured: str | Path) -> Path:
@@ -77,7 +95,7 @@ def assert_paths_off_root(*paths: str | Path) -> None:
 
 def apply_resource_guards(run, stage: str, run_dirs: list[str | Path]) -> None:
     """Every guard the run config asks for, before a model is loaded."""
-    cap_threads(run.threads)
+    configure_cpu(run)
     assert_expected_host(run.expected_host)
     if run.require_off_root:
         assert_paths_off_root(*run_dirs)

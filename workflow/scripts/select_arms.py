@@ -19,7 +19,7 @@ from align.receipts import FAILED, PASSED, hash_file
 from align.stages import gates
 from align.stages import select as sel
 from align.stages.entry import Stage, parse_stage_args
-from align.utils.guard import cap_threads
+from align.utils.guard import configure_cpu
 
 
 def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, policies):
@@ -129,7 +129,7 @@ def main() -> None:
         sel.SFT: str(gate.checkpoint),
     }
 
-    cap_threads(cfg.run.threads)
+    configure_cpu(cfg.run)
     from align.utils.dist import destroy_distributed
 
     figures = score_everything(cfg, paths, sources, manifest["pins"], policies)

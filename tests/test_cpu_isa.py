@@ -1,0 +1,130 @@
+"""run.cpu_isa: the CPU math libraries capped at one instruction set, so that a CPU run
+computes the same bits on CPUs of different generations, and the set torch ran recorded."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from align.config import RunConfig, SftConfig, load_config
+from align.constants import CPU_ISAS
+from align.exit_codes import USAGE, ConfigError
+from align.utils.guard import configure_cpu, pin_cpu_isa
+
+TESTS = Path(__file__).parent
+
+
+def test_the_pin_sets_the_variable_each_library_reads(monkeypatch):
+    for var in CPU_ISAS["avx2"]["env"]:
+        monkeypatch.delenv(var, raising=False)
+    pin_cpu_isa("avx2")
+    assert {var: os.environ[var] for var in CPU_ISAS["avx2"]["env"]} == {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_CBWR": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    }
+
+
+def test_no_pin_leaves_the_libraries_to_pick(monkeypatch):
+    for var in CPU_ISAS["avx2"]["env"]:
+        monkeypatch.delenv(var, raising=False)
+    pin_cpu_isa("")
+    assert not set(CPU_ISAS["avx2"]["env"]) & set(os.environ)
+
+
+def test_an_unknown_instruction_set_is_refused_by_the_config_and_the_pin():
+    sft = Path(__file__).parents[1] / "config" / "sft.toml"
+    with pytest.raises(
+        ConfigError, match=r"'run.cpu_isa' expected one of \('', 'avx2', 'avx512'\), found 'sse2'"
+    ):
+        load_config(sft, SftConfig, ["--run.cpu_isa=sse2"])
+    with pytest.raises(ConfigError, match=r"run.cpu_isa expected one of \('avx2', 'avx512'\)"):
+        pin_cpu_isa("sse2")
+
+
+def test_a_pin_torch_does_not_run_at_is_refused_naming_both(monkeypatch):
+    import torch
+
+    from align.utils.dist import assert_cpu_isa
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    with pytest.raises(ConfigError, match=r"run.cpu_isa='avx2'.*run DEFAULT.*lacks AVX2"):
+        assert_cpu_isa("avx2")
+    assert_cpu_isa("")  # no pin: whatever torch runs
+
+
+def run_child(code: str, *env_drop: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in env_drop}
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
+
+
+PINNED_STEPS = """
+from align.config import RunConfig
+from align.utils.guard import configure_cpu
+configure_cpu(RunConfig(threads=1, cpu_isa="avx2"))
+import hashlib
+import torch
+from tiny_models import tiny_mistral_config
+from align.model.mistral import NmoMistralForCausalLM
+from align.utils.dist import DistInfo, assert_cpu_isa, device_identity
+assert_cpu_isa("avx2")
+torch.manual_seed(0)
+model = NmoMistralForCausalLM(tiny_mistral_config())
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+ids = torch.randint(0, 64, (4, 24))
+for _ in range(3):
+    logits = model(ids)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+print(device_identity(DistInfo(0, 0, 1, torch.device("cpu"), "gloo")))
+print(hashlib.sha256(weights).hexdigest())
+"""
+# Three AdamW steps of the tiny model under the AVX2 pin. Computed on an AVX-512 CPU (AMD
+# EPYC); the default run's figures on that CPU under the pin equal those of an AVX2-only
+# CPU without it, alarm for alarm.
+PINNED_DIGEST = "053c5fd7ed178f50496338e1defbf5368ae649f6766b6d4889156b29572ce714"
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX2 is an x86-64 instruction set")
+def test_steppairs_failing_on_an_avx512_cpu_training_under_the_pin_is_the_same_bits_there():
+    """Unpinned, an AVX-512 CPU rounded the default run's steps differently from an AVX2
+    one, and its steppairs rerun ended by a tripwire. Pinned, both compute these bits, and
+    the rank's device identity names the set that ran."""
+    child = run_child(PINNED_STEPS, *CPU_ISAS["avx2"]["env"])
+    assert child.returncode == 0, child.stderr[-3000:]
+    identity, digest = child.stdout.split()
+    assert ":cpu:AVX2:pid" in identity, identity
+    assert digest == PINNED_DIGEST
+
+
+def test_a_stage_whose_cpu_cannot_take_the_pin_exits_with_the_usage_code():
+    """The refusal reaches the exit code a stage reports (the CPU is stood in for)."""
+    code = (
+        "import torch\n"
+        "torch.backends.cpu.get_cpu_capability = lambda: 'DEFAULT'\n"
+        "from align.exit_codes import run_with_exit_codes\n"
+        "from align.utils.dist import assert_cpu_isa\n"
+        "run_with_exit_codes(lambda: assert_cpu_isa('avx2'), 'dpo')\n"
+    )
+    child = run_child(code)
+    assert child.returncode == USAGE, child.stderr[-3000:]
+    assert "run.cpu_isa='avx2' requested" in child.stderr
+
+
+def test_configure_cpu_caps_threads_and_pins(monkeypatch):
+    for var in ("OMP_NUM_THREADS", *CPU_ISAS["avx512"]["env"]):
+        monkeypatch.delenv(var, raising=False)
+    configure_cpu(RunConfig(threads=3, cpu_isa="avx512"))
+    assert os.environ["OMP_NUM_THREADS"] == "3"
+    assert os.environ["ATEN_CPU_CAPABILITY"] == "avx512"
