@@ -1,5 +1,6 @@
-"""Constants every layer shares: the dtypes align computes in, and the token layout the
-data layer writes and the model and losses read.
+"""Constants every layer shares: the dtypes align computes in, the token layout the
+data layer writes and the model and losses read, and the CPU instruction sets a run may
+pin its math libraries to.
 
 They live below every package so that `align.data` needs neither the model nor the losses,
 and so that the config checks a dtype against the list the model and kernels accept.

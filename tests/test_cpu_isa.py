@@ -17,11 +17,19 @@ from align.exit_codes import USAGE, ConfigError
 from align.utils.guard import configure_cpu, pin_cpu_isa
 
 TESTS = Path(__file__).parent
+X86_ONLY = pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="the pins are x86-64 instruction sets"
+)
 
 
-def test_the_pin_sets_the_variable_each_library_reads(monkeypatch):
-    for var in CPU_ISAS["avx2"]["env"]:
+@pytest.fixture
+def on_x86_64(monkeypatch):
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    for var in {var for isa in CPU_ISAS.values() for var in isa["env"]}:
         monkeypatch.delenv(var, raising=False)
+
+
+def test_the_pin_sets_the_variable_each_library_reads(on_x86_64):
     pin_cpu_isa("avx2")
     assert {var: os.environ[var] for var in CPU_ISAS["avx2"]["env"]} == {
         "ATEN_CPU_CAPABILITY": "avx2",
@@ -30,11 +38,24 @@ def test_the_pin_sets_the_variable_each_library_reads(monkeypatch):
     }
 
 
-def test_no_pin_leaves_the_libraries_to_pick(monkeypatch):
-    for var in CPU_ISAS["avx2"]["env"]:
-        monkeypatch.delenv(var, raising=False)
+def test_no_pin_leaves_the_libraries_to_pick(on_x86_64):
     pin_cpu_isa("")
     assert not set(CPU_ISAS["avx2"]["env"]) & set(os.environ)
+
+
+def test_a_cpu_of_another_architecture_runs_unpinned_and_says_what_ran(on_x86_64, monkeypatch):
+    """The sets are x86-64 ones; an aarch64 laptop still runs the tiny default."""
+    import torch
+
+    from align.utils.dist import assert_cpu_isa
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    pin_cpu_isa("avx2")
+    assert not set(CPU_ISAS["avx2"]["env"]) & set(os.environ)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "SVE256")
+    assert_cpu_isa("avx2")
+    with pytest.raises(ConfigError, match=r"run\.cpu_isa expected one of"):
+        pin_cpu_isa("sse2")
 
 
 def test_an_unknown_instruction_set_is_refused_by_the_config_and_the_pin():
@@ -47,7 +68,7 @@ def test_an_unknown_instruction_set_is_refused_by_the_config_and_the_pin():
         pin_cpu_isa("sse2")
 
 
-def test_a_pin_torch_does_not_run_at_is_refused_naming_both(monkeypatch):
+def test_a_pin_torch_does_not_run_at_is_refused_naming_both(on_x86_64, monkeypatch):
     import torch
 
     from align.utils.dist import assert_cpu_isa
@@ -96,7 +117,7 @@ print(hashlib.sha256(weights).hexdigest())
 PINNED_DIGEST = "053c5fd7ed178f50496338e1defbf5368ae649f6766b6d4889156b29572ce714"
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64", reason="AVX2 is an x86-64 instruction set")
+@X86_ONLY
 def test_steppairs_failing_on_an_avx512_cpu_training_under_the_pin_is_the_same_bits_there():
     """Unpinned, an AVX-512 CPU rounded the default run's steps differently from an AVX2
     one, and its steppairs rerun ended by a tripwire. Pinned, both compute these bits, and
@@ -108,6 +129,7 @@ def test_steppairs_failing_on_an_avx512_cpu_training_under_the_pin_is_the_same_b
     assert digest == PINNED_DIGEST
 
 
+@X86_ONLY
 def test_a_stage_whose_cpu_cannot_take_the_pin_exits_with_the_usage_code():
     """The refusal reaches the exit code a stage reports (the CPU is stood in for)."""
     code = (
@@ -122,9 +144,8 @@ def test_a_stage_whose_cpu_cannot_take_the_pin_exits_with_the_usage_code():
     assert "run.cpu_isa='avx2' requested" in child.stderr
 
 
-def test_configure_cpu_caps_threads_and_pins(monkeypatch):
-    for var in ("OMP_NUM_THREADS", *CPU_ISAS["avx512"]["env"]):
-        monkeypatch.delenv(var, raising=False)
+def test_configure_cpu_caps_threads_and_pins(on_x86_64, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     configure_cpu(RunConfig(threads=3, cpu_isa="avx512"))
     assert os.environ["OMP_NUM_THREADS"] == "3"
     assert os.environ["ATEN_CPU_CAPABILITY"] == "avx512"

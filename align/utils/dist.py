@@ -17,6 +17,7 @@ import torch.distributed as dist
 from align.config import BatchConfig
 from align.constants import CPU_ISAS
 from align.exit_codes import ConfigError, GateRefused
+from align.utils.guard import cpu_isa_here
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ def device_identity(info: DistInfo) -> str:
 
 def assert_cpu_isa(isa: str) -> None:
     """Refuse a run.cpu_isa that torch's CPU kernels do not run at (empty: any)."""
+    isa = cpu_isa_here(isa)
     if not isa:
         return
     expected, found = CPU_ISAS[isa]["torch_capability"], torch.backends.cpu.get_cpu_capability()

@@ -1,10 +1,11 @@
-"""Resource guards applied before any heavy work: the CPU thread cap, a host-wide lock
-so two heavy stages never share a host without swap, an optional strict host check,
-and run directories kept off the root filesystem."""
+"""Resource guards applied before any heavy work: the CPU thread cap and instruction-set
+pin, a host-wide lock so two heavy stages never share a host without swap, an optional
+strict host check, and run directories kept off the root filesystem."""
 
 from __future__ import annotations
 
 import os
+import platform
 import socket
 import sys
 import tempfile
@@ -15,6 +16,8 @@ from filelock import FileLock, Timeout
 from align.constants import CPU_ISAS
 from align.exit_codes import ConfigError, PreflightRefused
 
+# platform.machine() of the CPUs run.cpu_isa names sets of.
+X86_64 = ("x86_64", "AMD64")
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 LOCK_MODES = ("wait", "refuse", "off")
 _held: list[FileLock] = []  # held until the process exits; the OS releases it even on SIGKILL
@@ -32,15 +35,20 @@ def cap_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+def cpu_isa_here(isa: str) -> str:
+    """The pin that applies to this CPU. The sets are x86-64 ones: a CPU of another
+    architecture runs unpinned, and its receipts name the set torch ran there."""
+    if isa and isa not in CPU_ISAS:
+        raise ConfigError(f"run.cpu_isa expected one of {tuple(CPU_ISAS)}, found {isa!r}")
+    return isa if platform.machine() in X86_64 else ""
+
+
 def pin_cpu_isa(isa: str) -> None:
     """Cap the CPU math libraries at `isa` (empty: leave them to pick); call before torch
     computes anything, since each library reads its variable once. The stage's device
     identity reads back what torch dispatches to."""
-    if not isa:
-        return
-    if isa not in CPU_ISAS:
-        raise ConfigError(f"run.cpu_isa expected one of {tuple(CPU_ISAS)}, found {isa!r}")
-    os.environ.update(CPU_ISAS[isa]["env"])
+    if cpu_isa_here(isa):
+        os.environ.update(CPU_ISAS[isa]["env"])
 
 
 def configure_cpu(run) -> None:
