@@ -145,7 +145,11 @@ def test_a_stage_whose_cpu_cannot_take_the_pin_exits_with_the_usage_code():
 
 
 def test_configure_cpu_caps_threads_and_pins(on_x86_64, monkeypatch):
+    import torch
+
+    # The suite's own thread count, so the cap leaves later tests in this process as they were.
+    threads = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    configure_cpu(RunConfig(threads=3, cpu_isa="avx512"))
-    assert os.environ["OMP_NUM_THREADS"] == "3"
+    configure_cpu(RunConfig(threads=threads, cpu_isa="avx512"))
+    assert os.environ["OMP_NUM_THREADS"] == str(threads)
     assert os.environ["ATEN_CPU_CAPABILITY"] == "avx512"
