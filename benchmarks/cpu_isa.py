@@ -10,23 +10,18 @@ usage: python benchmarks/cpu_isa.py [--steps 10] [--batch 16] [--seq 96] [--thre
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from align.constants import CPU_ISAS
 
-SIZES = {
-    "vocab_size": 384,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-}
+# The tiny default's pre-registered model shape.
+TINY_TOML = Path(__file__).resolve().parents[1] / "config" / "tiny" / "tiny.toml"
 
 
 def child(isa: str, steps: int, batch: int, seq: int, threads: int) -> dict:
@@ -37,15 +32,20 @@ def child(isa: str, steps: int, batch: int, seq: int, threads: int) -> dict:
     configure_cpu(RunConfig(threads=threads, cpu_isa=isa))
     import torch
 
+    from align.config import TinyConfig, load_config
     from align.model.hf_config import MistralConfig
     from align.model.mistral import NmoMistralForCausalLM
     from align.utils.dist import assert_cpu_isa
 
     assert_cpu_isa(isa)
+    tiny = load_config(TINY_TOML, TinyConfig).cfg
+    shape = dataclasses.asdict(tiny.model)
     torch.manual_seed(0)
-    model = NmoMistralForCausalLM(MistralConfig(**SIZES, pad_token_id=0))
+    model = NmoMistralForCausalLM(
+        MistralConfig(**shape, vocab_size=tiny.vocab_size, pad_token_id=0)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, SIZES["vocab_size"], (batch, seq))
+    ids = torch.randint(0, tiny.vocab_size, (batch, seq))
     times = []
     for _ in range(steps + 1):  # the first step warms the allocator and kernels up
         start = time.perf_counter()
