@@ -26,13 +26,12 @@ TINY_TOML = Path(__file__).resolve().parents[1] / "config" / "tiny" / "tiny.toml
 
 def child(isa: str, steps: int, batch: int, seq: int, threads: int) -> dict:
     """Time `steps` AdamW steps after the pin; runs in a fresh process."""
-    from align.config import RunConfig
+    from align.config import RunConfig, TinyConfig, load_config
     from align.utils.guard import configure_cpu
 
     configure_cpu(RunConfig(threads=threads, cpu_isa=isa))
     import torch
 
-    from align.config import TinyConfig, load_config
     from align.model.hf_config import MistralConfig
     from align.model.mistral import NmoMistralForCausalLM
     from align.utils.dist import assert_cpu_isa
