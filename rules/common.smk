@@ -280,13 +280,17 @@ def placement(layout):
 
     return {
         "gpu": gpus,
+        # The plugin asks for --gpus=MODEL:N; a multi-node job names the model in its gres.
+        "gpu_model": lambda wildcards: (
+            config["slurm_gpu_model"] or None if gpus(wildcards) else None
+        ),
         "nodes": lambda wildcards: layout(wildcards)[0].nodes,
         "tasks": tasks,
         "cpus_per_task": lambda wildcards, threads: threads,
         "mpi": lambda wildcards: "srun" if is_multi(wildcards) else None,
         "tasks_per_gpu": lambda wildcards: 0 if is_multi(wildcards) else None,
         "gres": lambda wildcards: (
-            f"gpu:{layout(wildcards)[0].per_node}"
+            gpu_gres(layout(wildcards)[0].per_node)
             if is_multi(wildcards) and cuda(wildcards)
             else None
         ),
@@ -295,6 +299,12 @@ def placement(layout):
         ),
         "slurm_account": lambda wildcards: config["slurm_account"] or None,
     }
+
+
+def gpu_gres(per_node):
+    """Each node's GPUs as a gres, of the site's GPU model when it names one."""
+    model = config["slurm_gpu_model"]
+    return f"gpu:{model}:{per_node}" if model else f"gpu:{per_node}"
 
 
 def launcher(layout, stop_marker=None, accept_exit=None):
@@ -318,7 +328,7 @@ def launcher(layout, stop_marker=None, accept_exit=None):
                 f"--cpus-per-task={config['threads']}",
             ]
             if device == "cuda":
-                prefix.append(f"--gres=gpu:{topo.per_node}")
+                prefix.append(f"--gres={gpu_gres(topo.per_node)}")
         args = [
             "python -m align.launch",
             f"--nproc={topo.per_node}",

@@ -1,8 +1,8 @@
 """The Apptainer image and the Slurm profile agree with the project they run.
 
-containers/align.def pins exactly what pyproject.toml pins (torch: one exact build
-inside pyproject's range, the very version CI tests on the CPU); its labels say the
-same versions; every rule that runs a command carries the image; and the Slurm
+containers/align.def installs the project with its cluster extra, so the image holds
+exactly what pyproject.toml pins (torch: the very version CI tests on the CPU), and
+runs `pip check` when built and tested; its labels say the same versions; every rule that runs a command carries the image; and the Slurm
 profile's container options reach the `apptainer exec` of a real job. No image is
 built here: a stand-in `apptainer` on PATH records its arguments and runs the command.
 """
@@ -23,10 +23,6 @@ from packaging.utils import canonicalize_name
 REPO = Path(__file__).resolve().parents[1]
 DEF = REPO / "containers" / "align.def"
 PROFILE = REPO / "profiles" / "slurm" / "config.yaml"
-# Packages the image adds beyond pyproject: the 8-bit optimizer's library.
-IMAGE_ONLY = {"bitsandbytes"}
-# Test extras the image also carries (the attention kernels' compiler).
-IMAGE_TEST_EXTRAS = {"triton"}
 
 
 def pyproject() -> dict:
@@ -39,17 +35,9 @@ def sections(text: str) -> dict[str, str]:
     return {name: body for name, body in zip(parts[1::2], parts[2::2], strict=True)}
 
 
-def image_pins() -> dict[str, str]:
-    """Every `name==version` the %post section installs; a name pinned twice fails."""
-    pins: dict[str, str] = {}
-    post = re.sub(r"(?m)^\s*#.*$", "", sections(DEF.read_text())["post"])
-    for name, version in re.findall(
-        r"(?m)(?:^|\s)([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s'\"\\]+)", post
-    ):
-        key = canonicalize_name(name)
-        assert key not in pins, f"{name} pinned twice in {DEF.name}"
-        pins[key] = version
-    return pins
+def commands(section: str) -> str:
+    """A section's shell lines without its comments."""
+    return re.sub(r"(?m)^\s*#.*$", "", sections(DEF.read_text())[section])
 
 
 def labels() -> dict[str, str]:
@@ -57,51 +45,43 @@ def labels() -> dict[str, str]:
     return dict(line.split(None, 1) for line in body.strip().splitlines())
 
 
-def requirements(entries: list[str]) -> dict[str, Requirement]:
-    return {canonicalize_name(r.name): r for r in map(Requirement, entries)}
+def pins(entries: list[str]) -> dict[str, str]:
+    """name -> the exact version an entry pins."""
+    out = {}
+    for requirement in map(Requirement, entries):
+        (spec,) = requirement.specifier
+        out[canonicalize_name(requirement.name)] = spec.version
+    return out
 
 
-def test_every_dependency_is_pinned_identically_in_the_image():
-    pins = image_pins()
-    for name, req in requirements(pyproject()["project"]["dependencies"]).items():
-        assert name in pins, f"{DEF.name} does not install {req}"
-        exact = [spec.version for spec in req.specifier if spec.operator == "=="]
-        if exact:
-            assert pins[name] == exact[0], f"{name}: pyproject {req}, image =={pins[name]}"
-        else:
-            assert req.specifier.contains(pins[name]), (
-                f"{name}: image =={pins[name]} outside pyproject {req}"
-            )
+def test_the_image_installs_the_project_with_its_cluster_extra_and_nothing_else():
+    post = commands("post")
+    assert "install --no-cache-dir '/opt/align/src[cluster]'" in post
+    # No package is named outside pyproject: the image's set is the cluster install's set.
+    assert re.findall(r"(?m)(?:^|\s)([A-Za-z0-9][\w.-]*)==", post) == []
 
 
-def test_the_image_carries_the_test_extras_it_needs_at_the_same_pins():
-    extras = requirements(pyproject()["project"]["optional-dependencies"]["test"])
-    pins = image_pins()
-    for name in IMAGE_TEST_EXTRAS:
-        assert str(extras[name].specifier) == f"=={pins[name]}", (extras[name], pins[name])
-
-
-def test_the_image_installs_nothing_unpinned_beyond_what_is_declared():
-    declared = (
-        requirements(pyproject()["project"]["dependencies"]).keys() | IMAGE_TEST_EXTRAS | IMAGE_ONLY
-    )
-    assert set(image_pins()) == declared
+def test_the_image_checks_its_requirements_when_built_and_tested():
+    assert "$pip check" in commands("post")
+    assert "pip check" in commands("test")
 
 
 def test_the_image_torch_is_the_one_ci_tests():
     makefile = (REPO / "Makefile").read_text()
     (cpu_torch,) = re.findall(r"torch==([\w.]+)", makefile)
-    assert image_pins()["torch"] == cpu_torch
+    assert pins(pyproject()["project"]["dependencies"])["torch"] == cpu_torch
 
 
 def test_labels_name_the_versions_the_image_installs():
-    pins, found = image_pins(), labels()
-    assert found["align.version"] == pyproject()["project"]["version"]
+    project = pyproject()["project"]
+    pinned = pins(project["dependencies"]) | pins(project["optional-dependencies"]["cluster"])
+    found = labels()
+    assert found["align.version"] == project["version"]
     for name in ("torch", "triton", "bitsandbytes"):
-        assert found[f"align.{name}"] == pins[name], name
+        assert found[f"align.{name}"] == pinned[name], name
     python = found["align.python"]
     assert f"python{python} " in sections(DEF.read_text())["post"]
-    assert SpecifierSet(pyproject()["project"]["requires-python"]).contains(python + ".0")
+    assert SpecifierSet(project["requires-python"]).contains(python + ".0")
 
 
 def test_the_image_is_built_on_cuda_and_tests_itself():

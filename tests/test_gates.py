@@ -119,6 +119,44 @@ def test_path_bias_decision_not_honoured_is_refused(run_copy):
     assert not imported_torch(run)
 
 
+@pytest.mark.parametrize(
+    "override, trains_through",
+    [
+        ("--model.dtype=bfloat16", "'forward_impl': 'sdpa-bf16-"),
+        ("--batch.share_prompt=true", "-shared'"),
+        ("--model.attn_implementation=eager", "'forward_impl': 'eager-fp32-"),
+        ("--model.master_dtype=bfloat16", "'master': 'bfloat16'"),
+    ],
+)
+def test_a_training_path_path_bias_did_not_measure_is_refused(run_copy, override, trains_through):
+    run, _ = refuse(run_copy, override, "--gates-only")
+    reason = assert_refused(run, "path_bias", "measured the training path", trains_through)
+    assert "'forward_impl': 'sdpa-fp32-" in reason.split("this run trains")[0], reason
+    assert not imported_torch(run)
+
+
+def test_a_path_bias_tolerance_other_than_the_measured_one_is_refused(run_copy):
+    run, _ = refuse(run_copy, "--path_bias.tolerance=1e-9", "--gates-only")
+    assert_refused(run, "path_bias", "'tolerance': 0.001", "'tolerance': 1e-09")
+    assert not imported_torch(run)
+
+
+def test_a_training_path_the_probe_did_not_measure_is_refused(run_copy):
+    probe = run_copy / "results/argilla/probe.json"
+    edit_json(probe, lambda r: r["figures"]["training_path"].update(reduce="bfloat16"))
+    run, _ = refuse(run_copy, "--gates-only")
+    assert_refused(run, "probe", "measured the training path", "'reduce': 'bfloat16'")
+
+
+def as_if_measured_with_bf16_masters(work: Path) -> None:
+    """The path-bias and probe receipts of a run that measured bfloat16 masters."""
+    for name in ("path_bias", "probe"):
+        edit_json(
+            work / f"results/argilla/{name}.json",
+            lambda r: r["figures"]["training_path"].update(master="bfloat16"),
+        )
+
+
 def test_preflight_over_the_host_memory_is_refused_with_exit_6(run_copy):
     run, _ = refuse(run_copy, "--preflight.host_memory_fraction=0.0001")
     reason = assert_refused(
@@ -142,6 +180,7 @@ def test_projection_undershooting_the_measured_peak_is_a_failed_calibration(run_
 
 
 def test_pure_bf16_masters_at_a_dpo_learning_rate_are_refused_with_exit_6(run_copy):
+    as_if_measured_with_bf16_masters(run_copy)
     run, _ = refuse(run_copy, "--model.master_dtype=bfloat16", "--lr=5e-7")
     reason = assert_refused(
         run,
@@ -156,6 +195,7 @@ def test_pure_bf16_masters_at_a_dpo_learning_rate_are_refused_with_exit_6(run_co
 
 
 def test_pure_bf16_masters_at_a_learning_rate_they_can_represent_pass(run_copy):
+    as_if_measured_with_bf16_masters(run_copy)
     run, _ = refuse(run_copy, "--model.master_dtype=bfloat16", "--lr=1e-2", "--gates-only")
     assert run.returncode == 0, run.stderr[-3000:]
 

@@ -33,7 +33,7 @@ from align.losses.dpo import DPOObjective, dpo_objective
 from align.paths import SPLITS, RunPaths
 from align.receipts import load_receipt, read_json
 from align.stages.ref_precompute import precompute_ref_caches, run_path_bias
-from align.train.path_bias import ACCEPT, RECOMPUTE, required_forward_impl
+from align.train.path_bias import ACCEPT, RECOMPUTE, TrainingPath, required_forward_impl
 from align.train.ref_cache import expected_key, load_ref_cache, read_cache_key
 from align.train.session import load_policy, start_session
 from align.utils.weights_hash import read_safetensors_header
@@ -95,6 +95,9 @@ def test_a_matching_path_is_accepted_and_every_step0_loss_is_ln2(tiny):
     print(f"float32 b4 vs cache b16: mean |margin| {figures['mean_abs']:.2e}")
     assert figures["n"] == N_PAIRS
     assert figures["training_forward_impl"] == "sdpa-fp32-b4-padded"
+    # The live path read back from the model is the one the gates expect of this config.
+    assert figures["training_path"] == TrainingPath.of(cfg).as_dict()
+    assert figures["settings"]["tolerance"] == TOLERANCE
     assert figures["cache_forward_impl"] == CACHE_IMPL
     assert required_forward_impl({"figures": figures}) == CACHE_IMPL
 

@@ -150,6 +150,19 @@ def test_every_production_job_requests_gpus_memory_and_time(dry_run):
     assert int(sft["resources"]["runtime"]) == workflow_config()["job_resources"]["sft_runtime_min"]
 
 
+def test_the_site_gpu_model_reaches_the_kernel_gate_and_every_arm_job(work, tmp_path):
+    bin_dir = stand_in_apptainer(tmp_path / "bin")
+    args = ("arms", *DRY_RUN, "--config", "slurm_gpu_model=h100", "--dry-run")
+    run = run_snakemake(work, *args, timeout=300, path_first=(bin_dir,))
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    jobs = dry_run_jobs((run.stdout + run.stderr).split("Job stats:")[1])
+    on_gpus = [job for job in jobs if job["rule"] not in LOCAL]
+    assert {job["rule"] for job in on_gpus} == set(CHAIN) - set(LOCAL)
+    for job in on_gpus:
+        assert job["resources"].get("gpu_model") == "h100", job
+    assert all("gpu_model" not in job["resources"] for job in jobs if job["rule"] in LOCAL)
+
+
 def test_each_model_loading_job_requests_its_projected_peak(dry_run, work):
     stub = work / workflow_config()["base_model"]
     covered = set()

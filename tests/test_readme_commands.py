@@ -13,6 +13,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -40,6 +41,9 @@ ARMS_FROM_NOTHING = Counter(
 ARMS_AFTER_REF_CACHE = Counter(
     ref_cache=2, path_bias=2, preflight=2, probe=2, dpo=2, select_arms=1, arms=1
 )
+# ... and with --until ref_cache, or a file target with --force, one rule's jobs alone.
+ONLY_REF_CACHE = Counter(ref_cache=2)
+ONLY_ARGILLA_PATH_BIAS = Counter(path_bias=1)
 
 
 # The jobs of the production run's `arms` target, from a downloaded model and data: the
@@ -124,6 +128,46 @@ def check_forcerun_after_a_finished_run(command, tmp_path, finished_copy):
     assert dry_run(finished_copy, command) == ARMS_AFTER_REF_CACHE
 
 
+def check_forcerun_until_after_a_finished_run(command, tmp_path, finished_copy):
+    assert dry_run(finished_copy, command) == ONLY_REF_CACHE
+
+
+def check_force_of_one_file_after_a_finished_run(command, tmp_path, finished_copy):
+    assert dry_run(finished_copy, command) == ONLY_ARGILLA_PATH_BIAS
+
+
+def parsed_hf_command(command: str) -> tuple[str, dict]:
+    """The `hf` subcommand a README line names and its parsed parameters, parsed by the
+    installed huggingface_hub's own command line (nothing is run or downloaded)."""
+    import click
+    from huggingface_hub.cli.hf import app
+
+    ctx = app.make_context("hf", shlex.split(command)[1:])
+    with warnings.catch_warnings():
+        # Click 8.2 keeps a group's subcommand words in protected_args, deprecated for 9.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        while isinstance(ctx.command, click.Group):
+            words = [*ctx.protected_args, *ctx.args]
+            name, sub, rest = ctx.command.resolve_command(ctx, words)
+            ctx = sub.make_context(name, rest, parent=ctx)
+    return ctx.command_path, ctx.params
+
+
+def check_hf_login(command, tmp_path, finished_copy):
+    path, params = parsed_hf_command(command)
+    assert path == "hf auth login" and params["token"] is None
+
+
+def check_hf_download(command, tmp_path, finished_copy):
+    # Every pattern is an --include: a bare word after one would be a file name instead.
+    path, params = parsed_hf_command(command)
+    assert path == "hf download"
+    assert params["repo_id"] == "mistralai/Mistral-7B-v0.1"
+    assert params["filenames"] == ()
+    assert set(params["include"]) == {"*.json", "*.safetensors", "tokenizer.model"}
+    assert params["local_dir"] == "resources/models/Mistral-7B-v0.1"
+
+
 def check_dry_run_under_the_profile(command, tmp_path, finished_copy):
     # No image here: the stand-in answers Snakemake's version check; nothing runs.
     bin_dir = stand_in_apptainer(tmp_path / "bin")
@@ -175,7 +219,9 @@ def check_pip_extra(command, tmp_path, finished_copy):
         timeout=300,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "snakemake-executor-plugin-slurm" in run.stdout, run.stdout[-3000:]
+    # What a production arm imports on the cluster comes with it.
+    for package in ("snakemake-executor-plugin-slurm", "triton==3.7.1", "bitsandbytes"):
+        assert package in run.stdout, (package, run.stdout[-3000:])
 
 
 CHECKS = {
@@ -183,13 +229,22 @@ CHECKS = {
     "make test": check_make_test,
     "snakemake --dry-run arms": check_dry_run_from_nothing,
     "snakemake --cores 2 arms --forcerun ref_cache": check_forcerun_after_a_finished_run,
+    "snakemake --cores 2 arms --forcerun ref_cache --until ref_cache": (
+        check_forcerun_until_after_a_finished_run
+    ),
+    "snakemake --cores 2 results/argilla/path_bias.json --force": (
+        check_force_of_one_file_after_a_finished_run
+    ),
+    "hf auth login": check_hf_login,
+    "hf download mistralai/Mistral-7B-v0.1 --include '*.json' --include '*.safetensors'"
+    " --include tokenizer.model --local-dir resources/models/Mistral-7B-v0.1": check_hf_download,
     "python workflow/scripts/dpo.py config/arms/argilla.toml --lr=5e-7": (
         check_gates_of_a_stage_by_hand
     ),
     "python workflow/scripts/dpo.py config/arms/argilla.toml --gates-only": (
         check_gates_of_a_stage_by_hand
     ),
-    "pip install -e '.[slurm]'": check_pip_extra,
+    "pip install -e '.[cluster]'": check_pip_extra,
     "snakemake --workflow-profile profiles/slurm arms": check_dry_run_under_the_profile,
     "snakemake --executor slurm --jobs 16 --retries 2 arms": check_dry_run_from_nothing,
     "align preregister config/production/arms/argilla.toml config/production/arms/steppairs.toml"
@@ -206,7 +261,12 @@ def test_every_readme_command_has_a_check():
     assert set(readme_commands()) == set(CHECKS), set(readme_commands()) ^ set(CHECKS)
 
 
-ON_A_FINISHED_RUN = (check_forcerun_after_a_finished_run, check_gates_of_a_stage_by_hand)
+ON_A_FINISHED_RUN = (
+    check_forcerun_after_a_finished_run,
+    check_forcerun_until_after_a_finished_run,
+    check_force_of_one_file_after_a_finished_run,
+    check_gates_of_a_stage_by_hand,
+)
 IN_THE_PRODUCTION_CHECKOUT = (check_production_dry_run, check_preregister)
 
 

@@ -31,6 +31,7 @@ from align.receipts import write_json_atomic
 from align.stages.entry import is_main_process
 from align.stages.gates import CacheInUse, GateContext
 from align.train.adapters import DpoAdapter
+from align.train.path_bias import TrainingPath
 from align.train.precision import describe as describe_precision
 from align.train.probes import probe_figures
 from align.train.ref_cache import load_ref_cache
@@ -98,7 +99,13 @@ def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInf
         projected,
     )
     placed = {"precision": model.precision, "devices": list(info.devices)}
-    return {**figures, "checkpoint_s": checkpoint_s, **placed}, info
+    path = TrainingPath.of_model(model, cfg.batch.micro_batch, cfg.batch.share_prompt)
+    return {
+        **figures,
+        "checkpoint_s": checkpoint_s,
+        "training_path": path.as_dict(),
+        **placed,
+    }, info
 
 
 def timed_save(trainer) -> float:

@@ -31,7 +31,7 @@ from align.train.memory import (
     projected_device_memory,
     projected_job_rss,
 )
-from align.train.path_bias import RECOMPUTE, required_forward_impl
+from align.train.path_bias import RECOMPUTE, TrainingPath, required_forward_impl
 from align.train.ref_cache import (
     TENSORS_HASH,
     check_key,
@@ -304,11 +304,33 @@ def _gate_path_bias(ctx: GateContext) -> dict[str, Any]:
             "path_bias",
             f"{ctx.arm.path_bias}: measured against cache {figures['cache_forward_impl']!r}, expected {cache_impl!r}",
         )
+    require_measured_path(
+        "path_bias", ctx.arm.path_bias, figures.get("training_path"), TrainingPath.of(ctx.cfg)
+    )
+    settings = dataclasses.asdict(ctx.cfg.path_bias)
+    if figures.get("settings") != settings:
+        raise GateRefused(
+            "path_bias",
+            f"{ctx.arm.path_bias}: measured under path_bias settings {figures.get('settings')}, "
+            f"this run pre-registers {settings}",
+        )
     impl = required_forward_impl(report)
     if figures["action"] == RECOMPUTE:
         use_caches(ctx, impl, ctx.cfg.model.dtype, "path_bias")
     ctx.path_bias = PathBiasDecision(figures["action"], figures["ratio"], figures)
     return {"action": figures["action"], "ratio": round(figures["ratio"], 4), "cache": impl}
+
+
+def require_measured_path(
+    gate: str, receipt: Path, recorded: dict[str, Any] | None, wanted: TrainingPath
+) -> None:
+    """Refuse a run whose training path is not the one the receipt measured, naming both."""
+    if recorded != wanted.as_dict():
+        raise GateRefused(
+            gate,
+            f"{receipt}: measured the training path {recorded}, this run trains through "
+            f"{wanted.as_dict()}",
+        )
 
 
 def _gate_preflight(ctx: GateContext) -> dict[str, Any]:
@@ -389,6 +411,9 @@ def _gate_probe(ctx: GateContext) -> dict[str, Any]:
         raise GateRefused(
             "probe", f"{ctx.arm.probe}: measured on topology {measured_on}, expected {expected}"
         )
+    require_measured_path(
+        "probe", ctx.arm.probe, figures.get("training_path"), TrainingPath.of(ctx.cfg)
+    )
     projected, measured = ctx.projection.total_mb, figures["peak_rss_mb"]
     tolerance = ctx.cfg.preflight.calibration_tolerance
     if projected < (1 - tolerance) * measured:

@@ -12,6 +12,7 @@ number of ranks, restarts and slice size.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 import time
@@ -255,7 +256,12 @@ def run_path_bias(
     cfg, checkpoint: str, shard_path: str, cache: Path, key: dict[str, str], run_dir: Path
 ):
     """Score the pre-registered sample through the training path; compare with the cache."""
-    from align.train.path_bias import margin_errors, path_bias_figures, sample_rows
+    from align.train.path_bias import (
+        TrainingPath,
+        margin_errors,
+        path_bias_figures,
+        sample_rows,
+    )
     from align.train.ref_cache import load_ref_cache
 
     info = start_session(run_dir, cfg.run, cfg.batch)
@@ -267,12 +273,7 @@ def run_path_bias(
         model, shard, cfg.batch.micro_batch, info, desc="path bias", rows=rows
     )
     errors = margin_errors(chosen, rejected, ref_chosen[rows], ref_rejected[rows])
-    training_impl = forward_impl_name(
-        model.attn_implementation,
-        model.precision["compute"],
-        cfg.batch.micro_batch,
-        shard.share_prompt,
-    )
-    cache_impl = key["forward_impl"]
-    figures = path_bias_figures(errors, cfg.path_bias.tolerance, cache_impl, training_impl)
+    training = TrainingPath.of_model(model, cfg.batch.micro_batch, shard.share_prompt)
+    settings = dataclasses.asdict(cfg.path_bias)
+    figures = path_bias_figures(errors, settings, key["forward_impl"], training)
     return {**figures, "precision": model.precision, "devices": list(info.devices)}, info

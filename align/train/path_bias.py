@@ -9,13 +9,51 @@ accepted or rebuilt with the training path.
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from align.train.ref_cache import forward_impl_name
 
 if TYPE_CHECKING:
     import numpy as np
 
+    from align.config import ArmConfig
+
 ACCEPT = "accept"
 RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class TrainingPath:
+    """The path a stage trains through, as far as it changes the numbers or the time: the
+    forward_impl (attention backend, compute dtype, micro-batch, layout) and the master and
+    gradient-reduction dtypes. Path bias and the probe record the one they measured."""
+
+    forward_impl: str
+    master: str
+    reduce: str
+
+    @classmethod
+    def of(cls, cfg: ArmConfig) -> TrainingPath:
+        """The path a pre-registration asks for."""
+        model, batch = cfg.model, cfg.batch
+        impl = forward_impl_name(
+            model.attn_implementation, model.dtype, batch.micro_batch, batch.share_prompt
+        )
+        return cls(impl, model.master_dtype, model.reduce_dtype)
+
+    @classmethod
+    def of_model(cls, model: Any, micro_batch: int, share_prompt: bool) -> TrainingPath:
+        """The path a loaded model runs: its attention backend and read-back precision."""
+        precision = model.precision
+        impl = forward_impl_name(
+            model.attn_implementation, precision["compute"], micro_batch, share_prompt
+        )
+        return cls(impl, precision["master"], precision["reduce"])
+
+    def as_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
 
 
 def sample_rows(n: int, sample_pairs: int, seed: int) -> np.ndarray:
@@ -41,12 +79,15 @@ def margin_errors(
 
 
 def path_bias_figures(
-    errors: np.ndarray, tolerance: float, cache_impl: str, training_impl: str
+    errors: np.ndarray, settings: dict[str, Any], cache_impl: str, training: TrainingPath
 ) -> dict[str, Any]:
+    """The receipt's figures; `settings` is the `[path_bias]` section the measurement ran
+    under, recorded whole so the gate can refuse a run that pre-registers another."""
     import numpy as np
 
     abs_err = np.abs(errors)
     mean_abs = float(abs_err.mean())
+    tolerance = settings["tolerance"]
     ratio = mean_abs / tolerance
     return {
         "n": len(errors),
@@ -54,9 +95,11 @@ def path_bias_figures(
         "p99_abs": float(np.quantile(abs_err, 0.99)),
         "max_abs": float(abs_err.max()),
         "tolerance": tolerance,
+        "settings": settings,
         "ratio": ratio,
         "cache_forward_impl": cache_impl,
-        "training_forward_impl": training_impl,
+        "training_forward_impl": training.forward_impl,
+        "training_path": training.as_dict(),
         "action": ACCEPT if ratio <= 1.0 else RECOMPUTE,
     }
 
