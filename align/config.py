@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import tomllib
 import types
 import typing
@@ -18,14 +19,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from align.constants import CPU_ISAS, DTYPES
+from align.constants import (
+    ATTENTION_IMPLEMENTATIONS,
+    CPU_ISAS,
+    DATA_FORMATS,
+    DEVICES,
+    DTYPES,
+    LOCK_MODES,
+    MIN_VOCAB_SIZE,
+    OPTIMIZERS,
+    SEGMENT_MASK_ATTENTION,
+    SELECTION_RULES,
+    TRUNCATION_POLICIES,
+)
 from align.exit_codes import ConfigError
 from align.receipts import hash_file, hash_json
 from align.topology import divides, ranks_per_node
 
 T = TypeVar("T")
-TRUNCATION_POLICIES = ("prompt_left_response_right",)
-DATA_FORMATS = ("argilla", "steppairs", "pairs", "ultrafeedback")
+# An arm's name is a directory of results_dir: one path component, no dots or spaces.
+ARM_NAME = re.compile(r"[A-Za-z0-9_-]+")
 # The DPO loss variants align.losses.dpo implements; label smoothing applies to the first.
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
 SMOOTHABLE_LOSSES = ("sigmoid",)
@@ -72,26 +85,76 @@ def positive_ints(section: Any, *keys: str) -> list[Check]:
     return [at_least(key, getattr(section, key), 1) for key in keys]
 
 
+def valid_seed(key: str, value: int) -> Check:
+    """numpy's generators refuse a negative seed."""
+    return at_least(key, value, 0)
+
+
+def finite(key: str, value: float | None, what: str) -> Check:
+    """Neither nan nor infinite; None (unset) passes."""
+    return Check(key, value, value is None or math.isfinite(value), what)
+
+
+def positive(key: str, value: float | None) -> Check:
+    return finite_number(key, value, 0, True, "a finite number > 0")
+
+
+def non_negative(key: str, value: float | None) -> Check:
+    return finite_number(key, value, 0, False, "a finite number >= 0")
+
+
+def named(key: str, value: str, what: str) -> Check:
+    """A string that may not be empty or blank; `what` says what it names."""
+    return Check(key, value, bool(value.strip()), what)
+
+
+def paths(key: str, value: list[str]) -> Check:
+    """A list whose every entry names something (an empty entry matches no file)."""
+    return Check(key, value, all(p.strip() for p in value), "a list of non-empty paths")
+
+
 @dataclass
 class FilterConfig:
     """Pre-registered row filters; each reports how many rows it removed."""
 
+    # Rows whose status is one of these are removed (argilla's "tie": no preference).
     exclude_status: list[str] = field(default_factory=list)
+    # Rows whose chosen response is rated below this are removed; none: no rating filter.
     min_chosen_score: float | None = None
+    # Rows whose prompt is in GSM8K's train split are removed, so GSM8K stays a clean eval.
     exclude_in_gsm8k_train: bool = False
+
+    def checks(self) -> list[Check]:
+        return [
+            Check(
+                "exclude_status",
+                self.exclude_status,
+                all(status.strip() for status in self.exclude_status),
+                "a list of non-empty statuses",
+            ),
+            finite("min_chosen_score", self.min_chosen_score, "a finite score or none"),
+        ]
 
 
 @dataclass
 class DataConfig:
     """Where an arm's pairs come from, how they are cut and split, and how many are expected."""
 
+    # The row layout of `files` (DATA_FORMATS), which says where prompt and responses are.
     format: str = "pairs"
+    # The input files or globs; empty only in a TOML read for its arm name (build refuses it).
     files: list[str] = field(default_factory=list)
+    # Tokens of prompt + one response; longer pairs are cut by `truncation`.
     seq_len: int = 512
+    # How a pair longer than seq_len is cut (TRUNCATION_POLICIES).
     truncation: str = "prompt_left_response_right"
+    # Share of pairs held out for evaluation and selection.
     held_fraction: float = 0.1
+    # Seeds the train/held split, so the split is reproducible.
     split_seed: int = 0
+    # Fewer kept pairs than this descope the arm rather than train it on too little.
     min_pairs: int = 1
+    # The split sizes this data gives (align preregister); none: not yet pre-registered.
     expected_train_pairs: int | None = None
     expected_held_pairs: int | None = None
     # A pair whose rendered prompt alone has more tokens is removed as `prompt_over_budget`.
@@ -103,9 +166,14 @@ class DataConfig:
     def checks(self) -> list[Check]:
         return [
             one_of("format", self.format, DATA_FORMATS),
+            paths("files", self.files),
             one_of("truncation", self.truncation, TRUNCATION_POLICIES),
             at_least("seq_len", self.seq_len, 2),
             open_fraction("held_fraction", self.held_fraction),
+            valid_seed("split_seed", self.split_seed),
+            at_least("min_pairs", self.min_pairs, 1),
+            at_least("expected_train_pairs", self.expected_train_pairs, 0),
+            at_least("expected_held_pairs", self.expected_held_pairs, 0),
             Check(
                 "max_prompt_tokens",
                 self.max_prompt_tokens,
@@ -129,11 +197,15 @@ class ModelConfig:
     master_dtype: str = "float32"
     # What gradients are summed across ranks in, before they are cast to master_dtype.
     reduce_dtype: str = "float32"
+    # The attention backend of every layer (ATTENTION_IMPLEMENTATIONS), never replaced by another.
     attn_implementation: str = "sdpa"
 
     def checks(self) -> list[Check]:
         keys = ("dtype", "master_dtype", "reduce_dtype")
-        return [one_of(key, getattr(self, key), DTYPES) for key in keys]
+        return [
+            *(one_of(key, getattr(self, key), DTYPES) for key in keys),
+            one_of("attn_implementation", self.attn_implementation, ATTENTION_IMPLEMENTATIONS),
+        ]
 
 
 @dataclass
@@ -146,15 +218,21 @@ class RefConfig:
     `batch.share_prompt` trains.
     """
 
+    # What the reference forward computes in; part of the cache key.
     dtype: str = "float32"
+    # The reference forward's attention backend; part of the cache key.
     attn_implementation: str = "sdpa"
+    # Pairs per reference forward; padding depends on it, so it is part of the cache key.
     batch_size: int = 16
+    # Score each pair as one prefix-shared row (needs a segment-aware backend).
     share_prompt: bool = False
+    # Pairs per resumable part of the precompute.
     slice_pairs: int = 128
 
     def checks(self) -> list[Check]:
         return [
             one_of("dtype", self.dtype, DTYPES),
+            one_of("attn_implementation", self.attn_implementation, ATTENTION_IMPLEMENTATIONS),
             *positive_ints(self, "batch_size", "slice_pairs"),
         ]
 
@@ -198,17 +276,40 @@ class DpoConfig:
 class OptimizerConfig:
     """`name` is 'adamw' (torch, float32 moments) or 'adamw8bit' (bitsandbytes, 8-bit moments)."""
 
+    # Which AdamW runs (OPTIMIZERS); the preflight projects the memory of this one.
     name: str = "adamw"
+    # The peak learning rate, reached after warmup.
     lr: float = 1e-6
+    # Decoupled weight decay per step, x lr.
     weight_decay: float = 0.0
+    # Adam's (beta1, beta2): decay rates of the first and second moments.
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    # Added to the second moment's root, so a zero gradient does not divide by zero.
     eps: float = 1e-8
+    # Optimizer steps of linear warmup to lr; 0: start at lr.
     warmup_steps: int = 0
+    # The cosine schedule ends at this share of lr.
     min_lr_ratio: float = 0.0
+    # Gradients are scaled down to this global norm before each step.
     grad_clip: float = 1.0
 
     def checks(self) -> list[Check]:
-        return [finite_number("lr", self.lr, 0, True, "a finite number > 0")]
+        betas = self.betas
+        return [
+            one_of("name", self.name, OPTIMIZERS),
+            positive("lr", self.lr),
+            non_negative("weight_decay", self.weight_decay),
+            Check(
+                "betas",
+                betas,
+                len(betas) == 2 and all(0 <= beta < 1 for beta in betas),
+                "two decay rates [beta1, beta2], each in [0, 1)",
+            ),
+            positive("eps", self.eps),
+            at_least("warmup_steps", self.warmup_steps, 0),
+            in_range("min_lr_ratio", self.min_lr_ratio, 0, 1, "a fraction in [0, 1]"),
+            positive("grad_clip", self.grad_clip),
+        ]
 
 
 @dataclass
@@ -221,14 +322,21 @@ class BatchConfig:
     backend with a segment-aware mask ('sdpa', 'eager'); SFT refuses it.
     """
 
+    # Ranks (one per GPU on CUDA) that train together.
     world_size: int = 1
     # Ranks (GPUs) per node; 0 takes the site's run.gpus_per_node. world_size / this = nodes.
     gpus_per_node: int = 0
+    # Pairs per rank per forward; bounds activation memory.
     micro_batch: int = 1
+    # Micro-batches summed before each optimizer step.
     grad_accum: int = 1
+    # Pairs per optimizer step: the pre-registered product of the three above.
     global_batch: int = 1
+    # Passes over the train pairs; with global_batch it fixes the schedule's horizon.
     epochs: int = 1
+    # Seeds the sampler's shuffle and torch's generator, so a rerun draws the same batches.
     seed: int = 0
+    # Lay each pair out as one prefix-shared row (see the class docstring).
     share_prompt: bool = False
 
     def checks(self) -> list[Check]:
@@ -237,6 +345,7 @@ class BatchConfig:
         return [
             *positive_ints(self, "world_size", "micro_batch", "grad_accum", "global_batch"),
             at_least("epochs", self.epochs, 1),
+            valid_seed("seed", self.seed),
             Check(
                 "gpus_per_node",
                 per_node,
@@ -257,34 +366,69 @@ class BatchConfig:
 class TrainerConfig:
     """How the step loop runs, stops and checkpoints; not what it optimizes."""
 
+    # Optimizer steps between checkpoints; 0: none but the stop's.
     checkpoint_every: int = 0
+    # Newest checkpoints kept on disk; older ones are rotated away.
     keep_checkpoints: int = 2
+    # Continue from the newest valid checkpoint (the workflow sets it on a retry).
     resume: bool = False
-    # The job's budget, counted from the stage's start (a rerun spends the same budget).
+    # The job's budget, counted from the stage's start (a rerun spends the same budget); 0: none.
     max_wall_seconds: float = 0.0
+    # Stop after this many micro-steps; 0: run to the horizon.
     max_micro_steps: int = 0
+    # Micro-steps the throughput probe measures.
     probe_steps: int = 20
+    # More consecutive steps skipped for a non-finite loss or gradient end the run as diverged.
     max_consecutive_skipped_steps: int = 3
+    # More than this share of steps skipped ends the run as diverged.
     max_skipped_fraction: float = 0.05
+    # Recompute each layer's activations in backward: less memory for more compute.
     activation_checkpointing: bool = False
+
+    def checks(self) -> list[Check]:
+        return [
+            at_least("checkpoint_every", self.checkpoint_every, 0),
+            at_least("keep_checkpoints", self.keep_checkpoints, 1),
+            non_negative("max_wall_seconds", self.max_wall_seconds),
+            at_least("max_micro_steps", self.max_micro_steps, 0),
+            at_least("probe_steps", self.probe_steps, 1),
+            at_least("max_consecutive_skipped_steps", self.max_consecutive_skipped_steps, 0),
+            in_range(
+                "max_skipped_fraction", self.max_skipped_fraction, 0, 1, "a fraction in [0, 1]"
+            ),
+        ]
 
 
 @dataclass
 class PathBiasConfig:
     """Step-0 check of the training forward path against the cache (mean |margin| in nats)."""
 
+    # Mean |step-0 margin| above which the cache is rebuilt with the training path.
     tolerance: float = 1e-3
+    # Train pairs the step-0 check scores.
     sample_pairs: int = 64
+    # Seeds which pairs are sampled.
     seed: int = 0
+
+    def checks(self) -> list[Check]:
+        return [
+            positive("tolerance", self.tolerance),
+            at_least("sample_pairs", self.sample_pairs, 1),
+            valid_seed("seed", self.seed),
+        ]
 
 
 @dataclass
 class PreflightConfig:
     """Memory projection terms that are not derived from the model: margins and overheads."""
 
+    # Share of the node's memory the projected peak may fill: the rest is the OS's and caches'.
     host_memory_fraction: float = 0.9
+    # Each rank's runtime (interpreter, torch, allocator) outside the model's tensors.
     rank_overhead_mb: float = 520.0
+    # float32 activation values a CPU training forward keeps per token, hidden unit and layer.
     activation_factor: float = 24.0
+    # The probe refuses a projection more than this share below its measured peak.
     calibration_tolerance: float = 0.2
     # Below this fraction of master elements moved by one step at optimizer.lr, a
     # low-precision master_dtype is refused: the run would mostly not train.
@@ -313,6 +457,23 @@ class PreflightConfig:
             finite_number(
                 "device_memory_gb", self.device_memory_gb, 0, False, "a number of GB >= 0"
             ),
+            in_range(
+                "host_memory_fraction",
+                self.host_memory_fraction,
+                0,
+                1,
+                "a fraction in (0, 1]",
+                True,
+            ),
+            non_negative("rank_overhead_mb", self.rank_overhead_mb),
+            positive("activation_factor", self.activation_factor),
+            Check(
+                "calibration_tolerance",
+                self.calibration_tolerance,
+                0 <= self.calibration_tolerance < 1,
+                "a fraction in [0, 1)",
+            ),
+            non_negative("cuda_context_mb", self.cuda_context_mb),
         ]
 
 
@@ -320,15 +481,18 @@ class PreflightConfig:
 class TripwireResponse:
     """The pre-registered configuration of the single rerun after an alarm (unset = unchanged)."""
 
+    # The rerun's optimizer.lr.
     lr: float | None = None
+    # The rerun's dpo.beta.
     beta: float | None = None
+    # The rerun's dpo.rpo_alpha: an NLL term on chosen that holds the chosen responses up.
     rpo_alpha: float | None = None
 
     def checks(self) -> list[Check]:
         return [
-            finite_number("lr", self.lr, 0, True, "a finite number > 0"),
-            finite_number("beta", self.beta, 0, True, "a finite number > 0"),
-            finite_number("rpo_alpha", self.rpo_alpha, 0, False, "a finite number >= 0"),
+            positive("lr", self.lr),
+            positive("beta", self.beta),
+            non_negative("rpo_alpha", self.rpo_alpha),
         ]
 
 
@@ -343,6 +507,7 @@ class GenerationBandConfig:
     min_terminated_vs_chosen: float = 0.75
     # Mean length within [length_low x the shorter, length_high x the longer reference].
     length_low: float = 0.5
+    # (The upper factor of that band.)
     length_high: float = 1.5
 
     def checks(self) -> list[Check]:
@@ -367,8 +532,11 @@ class DisarmedWires:
     """Why a pre-registration disarms a wire: required for each disarmed wire, refused for an
     armed one, so no wire is switched off without a stated reason."""
 
+    # Why tripwires.collapse = false.
     collapse: str = ""
+    # Why tripwires.length_drift = false.
     length_drift: str = ""
+    # Why tripwires.generation = false.
     generation: str = ""
 
 
@@ -378,11 +546,15 @@ class TripwireConfig:
 
     # Windowed chosen log-ratio per token below the floor while the margin grows.
     collapse: bool = True
+    # Pairs the collapse wire's windowed means run over.
     logps_window: int = 64
+    # Nats per token; a log-ratio of either sign is meaningful, so any finite floor is.
     chosen_logp_floor: float = -1.0
     # Share of pairs whose implicit reward prefers the longer response, vs the data's.
     length_drift: bool = True
+    # Pairs the length share is taken over; the wire cannot fire before the window is full.
     length_window_pairs: int = 128
+    # The share may leave the data's baseline by at most this much.
     length_band: float = 0.25
     # Greedy generations of a fixed held-out prompt set every `generation_every_steps`
     # optimizer steps (and after the last) must stay inside `generation_band`.
@@ -391,15 +563,27 @@ class TripwireConfig:
     # Few and short, so a check costs seconds: every rank decodes its share together.
     generation_prompts: int = 8
     generation_max_new_tokens: int = 40
+    # Where the generation wire's generations must stay.
     generation_band: GenerationBandConfig = field(default_factory=GenerationBandConfig)
+    # The stated reason for each wire switched off.
     disarmed: DisarmedWires = field(default_factory=DisarmedWires)
+    # The one pre-registered rerun after an alarm.
     response: TripwireResponse = field(default_factory=TripwireResponse)
 
     def checks(self) -> list[Check]:
-        """Each disarmed wire states why; an armed wire has no reason."""
-        checks = positive_ints(
-            self, "generation_every_steps", "generation_prompts", "generation_max_new_tokens"
-        )
+        """Windows and band in range; each disarmed wire states why, an armed wire has no reason."""
+        checks = [
+            *positive_ints(
+                self,
+                "logps_window",
+                "length_window_pairs",
+                "generation_every_steps",
+                "generation_prompts",
+                "generation_max_new_tokens",
+            ),
+            finite("chosen_logp_floor", self.chosen_logp_floor, "a finite number"),
+            in_range("length_band", self.length_band, 0, 1, "a share in [0, 1]"),
+        ]
         for wire in (f.name for f in dataclasses.fields(DisarmedWires)):
             armed, reason = getattr(self, wire), getattr(self.disarmed, wire).strip()
             expected = (
@@ -415,6 +599,7 @@ class TripwireConfig:
 class EvalConfig:
     """How held-out pairs are scored: pairs per forward."""
 
+    # Pairs per scoring forward; bounds evaluation memory.
     batch_size: int = 32
 
     def checks(self) -> list[Check]:
@@ -425,12 +610,17 @@ class EvalConfig:
 class RunConfig:
     """Where this run reads and writes; not a scientific choice, so overrides are expected."""
 
+    # Where every receipt and output of the run lies (align.paths); required.
     results_dir: str = "results"
+    # The HF checkpoint SFT starts from, and whose tokenizer it uses; required.
     base_model: str = "resources/tiny/base"
+    # An existing SFT checkpoint (HF format); empty: rule sft trains one.
     sft_checkpoint: str = ""
+    # Where ranks compute (DEVICES); a device that is not there is refused, never replaced.
     device: str = "cpu"
     # The site's ranks (GPUs) per node, for arms that pre-register none; 0: one node.
     gpus_per_node: int = 0
+    # Math-library threads of each rank.
     threads: int = 2
     # The widest instruction set torch's CPU kernels, MKL and oneDNN may use: a CPU run then
     # computes the same bits on every x86-64 CPU that has it. Empty: each library takes the
@@ -441,7 +631,9 @@ class RunConfig:
     heavy_lock: str = "wait"
     # Empty: one lock per user in the temporary directory, so users never block each other.
     heavy_lock_path: str = ""
+    # Refuse to run on any other host; empty: any host.
     expected_host: str = ""
+    # Refuse results on the root filesystem, which a full disk would take down.
     require_off_root: bool = False
     # MiB of the node a job will run on, when it is not this host (the workflow passes the
     # partition's figure to the preflight on the submit host); 0: this host's memory.
@@ -450,10 +642,28 @@ class RunConfig:
     node_memory_source: str = ""
 
     def checks(self) -> list[Check]:
+        host, source = self.expected_host, self.node_memory_source
         return [
+            named("results_dir", self.results_dir, "a directory (required)"),
+            named("base_model", self.base_model, "a checkpoint directory (required)"),
+            one_of("device", self.device, DEVICES),
             at_least("gpus_per_node", self.gpus_per_node, 0),
             at_least("threads", self.threads, 1),
             one_of("cpu_isa", self.cpu_isa, ("", *CPU_ISAS)),
+            one_of("heavy_lock", self.heavy_lock, LOCK_MODES),
+            Check(
+                "expected_host",
+                host,
+                host == "".join(host.split()),
+                "a host name without whitespace (empty: any host)",
+            ),
+            non_negative("node_memory_mb", self.node_memory_mb),
+            Check(
+                "node_memory_source",
+                source,
+                not source or self.node_memory_mb > 0,
+                "empty while node_memory_mb = 0 (this host's memory is measured, not sourced)",
+            ),
         ]
 
 
@@ -461,6 +671,7 @@ class RunConfig:
 class ArmConfig:
     """One arm's pre-registration (config/arms/<arm>.toml)."""
 
+    # The arm's name: its directory under results_dir, and its name in the selection.
     arm: str = ""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -476,22 +687,49 @@ class ArmConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def checks(self) -> list[Check]:
-        return [Check("arm", self.arm, bool(self.arm), "the arm's name (required)")]
+        return [
+            Check(
+                "arm",
+                self.arm,
+                ARM_NAME.fullmatch(self.arm) is not None,
+                "the arm's name (required): letters, digits, _ and -, a directory of results_dir",
+            ),
+            segment_masked("batch.share_prompt", self.batch.share_prompt, self.model),
+            segment_masked("ref.share_prompt", self.ref.share_prompt, self.ref),
+        ]
+
+
+def segment_masked(key: str, shared: bool, forward: ModelConfig | RefConfig) -> Check:
+    """The prefix-shared layout needs a backend whose mask keeps a pair's branches apart."""
+    backend = forward.attn_implementation
+    return Check(
+        key,
+        shared,
+        not shared or backend in SEGMENT_MASK_ATTENTION,
+        f"false with attn_implementation {backend!r} (prefix sharing needs one of "
+        f"{SEGMENT_MASK_ATTENTION})",
+    )
 
 
 @dataclass
 class SftDataConfig:
     """The SFT conversations: where they are, how they are cut and split."""
 
+    # The prompt / response files or globs.
     files: list[str] = field(default_factory=list)
+    # Tokens per conversation; longer ones are cut.
     seq_len: int = 512
+    # Share of conversations held out for the gate's NLL; both splits must be non-empty.
     held_fraction: float = 0.1
+    # Seeds the train/held split, so the split is reproducible.
     split_seed: int = 0
 
     def checks(self) -> list[Check]:
         return [
+            paths("files", self.files),
             at_least("seq_len", self.seq_len, 2),
             open_fraction("held_fraction", self.held_fraction),
+            valid_seed("split_seed", self.split_seed),
         ]
 
 
@@ -499,13 +737,18 @@ class SftDataConfig:
 class SftGateConfig:
     """Section-11 quality gate: held-out NLL ceiling and greedy-generation sanity."""
 
+    # Mean held-out NLL (nats per response token) the SFT policy must stay under.
     max_held_nll: float = 2.0
+    # Held-out prompts the policy greedily completes.
     generation_prompts: int = 8
+    # Tokens each completion may take to end.
     max_new_tokens: int = 32
+    # Share of completions that must end with eos within max_new_tokens.
     min_terminated_fraction: float = 1.0
 
     def checks(self) -> list[Check]:
         return [
+            positive("max_held_nll", self.max_held_nll),
             *positive_ints(self, "generation_prompts", "max_new_tokens"),
             in_range(
                 "min_terminated_fraction",
@@ -530,19 +773,29 @@ class SftConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
+    def checks(self) -> list[Check]:
+        shared = self.batch.share_prompt
+        return [Check("batch.share_prompt", shared, not shared, "false (SFT rows are not pairs)")]
+
 
 @dataclass
 class PairedEvalConfig:
     """The common held-out set every policy is scored on, and its paired statistics."""
 
+    # "union": every arm's held-out shard, deduplicated by pair_id; else a shard's path.
     eval_set: str = "union"
+    # Bootstrap resamples of the paired accuracy difference.
     n_boot: int = 10000
+    # Seeds the bootstrap, so the interval is reproducible.
     seed: int = 0
+    # Coverage of the paired-bootstrap interval.
     confidence: float = 0.95
 
     def checks(self) -> list[Check]:
         return [
+            named("eval_set", self.eval_set, '"union" or a held-out shard\'s path'),
             at_least("n_boot", self.n_boot, 1),
+            valid_seed("seed", self.seed),
             open_fraction("confidence", self.confidence),
         ]
 
@@ -551,8 +804,11 @@ class PairedEvalConfig:
 class LengthProbeConfig:
     """Greedy generations on held-out prompts: an arm outside `band` is ineligible."""
 
+    # Distinct held-out prompts every policy completes.
     prompts: int = 16
+    # Tokens each completion may take to end.
     max_new_tokens: int = 48
+    # Where an eligible arm's generations stay.
     band: GenerationBandConfig = field(default_factory=GenerationBandConfig)
 
     def checks(self) -> list[Check]:
@@ -563,38 +819,106 @@ class LengthProbeConfig:
 class SelectionConfig:
     """The arm-selection pre-registration (config/selection.toml, section 13)."""
 
+    # How the winner is chosen (SELECTION_RULES).
     rule: str = "paired_accuracy"
+    # The arm selected when the rule finds no difference; one of the workflow's arms.
     default_arm: str = ""
     paired: PairedEvalConfig = field(default_factory=PairedEvalConfig)
     generation: LengthProbeConfig = field(default_factory=LengthProbeConfig)
+    # One forward path scores every policy, so the comparison is not confounded by it.
     model: ModelConfig = field(default_factory=ModelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
+    def checks(self) -> list[Check]:
+        """Which arms exist is the workflow's: align.stages.select checks default_arm is one."""
+        return [
+            one_of("rule", self.rule, SELECTION_RULES),
+            Check(
+                "default_arm",
+                self.default_arm,
+                ARM_NAME.fullmatch(self.default_arm) is not None,
+                "an arm's name (required)",
+            ),
+        ]
+
 
 @dataclass
 class TinyModelSpec:
+    """The tiny random Mistral's shape, as align.model.hf_config.MistralConfig takes it."""
+
+    # Width of the residual stream.
     hidden_size: int = 256
+    # Width of each MLP's hidden layer.
     intermediate_size: int = 512
+    # Decoder layers.
     num_hidden_layers: int = 4
+    # Query heads; hidden_size / this is the head dim, which rotary embeddings need even.
     num_attention_heads: int = 4
+    # Key/value heads, each shared by num_attention_heads / this query heads.
     num_key_value_heads: int = 2
+    # The longest sequence the model is built for.
     max_position_embeddings: int = 256
+    # Base of the rotary embeddings' frequencies.
     rope_theta: float = 10000.0
+    # Share one matrix between the embedding and lm_head.
     tie_word_embeddings: bool = False
+
+    def checks(self) -> list[Check]:
+        heads, kv_heads, hidden = (
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.hidden_size,
+        )
+        return [
+            *positive_ints(
+                self,
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "max_position_embeddings",
+            ),
+            Check(
+                "num_key_value_heads",
+                kv_heads,
+                kv_heads >= 1 and heads % kv_heads == 0,
+                f"a divisor of num_attention_heads = {heads}",
+            ),
+            Check(
+                "hidden_size",
+                hidden,
+                heads >= 1 and hidden % (2 * heads) == 0,
+                f"a multiple of 2 x num_attention_heads = {2 * heads} (an even head dim)",
+            ),
+            positive("rope_theta", self.rope_theta),
+        ]
 
 
 @dataclass
 class TinyConfig:
     """The embedded tiny default: seeded data, tokenizer and random base model."""
 
+    # Seeds the data, the tokenizer's corpus order and the weights: same seed, same bytes.
     seed: int = 0
+    # Where the data, tokenizer and base model are written.
     out_dir: str = "resources/tiny"
+    # Rows of each synthetic data set.
     n_argilla: int = 700
     n_steppairs: int = 700
     n_sft: int = 1500
+    # The BPE tokenizer's vocabulary: every byte, the special tokens, then merges.
     vocab_size: int = 384
     model: TinyModelSpec = field(default_factory=TinyModelSpec)
+
+    def checks(self) -> list[Check]:
+        return [
+            valid_seed("seed", self.seed),
+            named("out_dir", self.out_dir, "a directory (required)"),
+            *positive_ints(self, "n_argilla", "n_steppairs", "n_sft"),
+            at_least("vocab_size", self.vocab_size, MIN_VOCAB_SIZE),
+        ]
 
 
 @dataclass
@@ -629,7 +953,9 @@ def load_config(path: str | Path, cls: type[T], overrides: list[str] | None = No
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text, as TOML must be ({err})") from err
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{path}: not valid TOML ({err})") from err
     cfg = _build(cls, raw, where=str(path), prefix="")
@@ -776,15 +1102,16 @@ def apply_overrides(cfg: Any, tokens: list[str], where: str) -> dict[str, Any]:
 
 
 def validate(cfg: Any, where: str) -> None:
-    """Every section's own checks (`checks()`), refused at the first that fails, named by its
-    dotted key."""
-    for prefix, section in sections(cfg):
-        for check in getattr(section, "checks", list)():
-            if not check.holds:
-                raise ConfigError(
-                    f"{where}: key {prefix + check.key!r} expected {check.expected}, "
-                    f"found {check.value!r}"
-                )
+    """Every section's own checks (`checks()`); all that fail are refused in one line, each
+    named by its dotted key, so one edit can fix them all."""
+    failed = [
+        f"key {prefix + check.key!r} expected {check.expected}, found {check.value!r}"
+        for prefix, section in sections(cfg)
+        for check in getattr(section, "checks", list)()
+        if not check.holds
+    ]
+    if failed:
+        raise ConfigError(f"{where}: {'; '.join(failed)}")
 
 
 def sections(cfg: Any, prefix: str = ""):

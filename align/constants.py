@@ -1,9 +1,9 @@
 """Constants every layer shares: the dtypes align computes in, the token layout the
-data layer writes and the model and losses read, and the CPU instruction sets a run may
-pin its math libraries to.
+data layer writes and the model and losses read, the CPU instruction sets a run may
+pin its math libraries to, and the names every configurable choice may take.
 
 They live below every package so that `align.data` needs neither the model nor the losses,
-and so that the config checks a dtype against the list the model and kernels accept.
+and so that the config checks each choice against the one list its consumer accepts.
 """
 
 # Every floating dtype a model, a cache or a kernel may hold or compute in, by torch's name.
@@ -32,3 +32,29 @@ CPU_ISAS = {
         "torch_capability": "AVX512",
     },
 }
+
+# model/ref.attn_implementation: the backends align.model.attention registers, in its order.
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "triton_fa2")
+# The backends whose mask keeps the prefix-shared layout's branches apart (batch.share_prompt).
+SEGMENT_MASK_ATTENTION = ("sdpa", "eager")
+
+# optimizer.name: torch's AdamW (float32 moments), bitsandbytes' 8-bit AdamW (align.train.optim).
+OPTIMIZERS = ("adamw", "adamw8bit")
+
+# run.device: what align.utils.dist.init_distributed can pin a rank to.
+DEVICES = ("cpu", "cuda")
+
+# run.heavy_lock: queue behind another heavy stage on this host, refuse to start, or take no lock.
+LOCK_MODES = ("wait", "refuse", "off")
+
+# data.format: the row layouts align.data.formats reads (its READERS, in this order).
+DATA_FORMATS = ("argilla", "steppairs", "pairs", "ultrafeedback")
+# data.truncation: how align.data.tokenize cuts a pair that does not fit seq_len.
+TRUNCATION_POLICIES = ("prompt_left_response_right",)
+
+# The selection rules align.stages.select can apply (config/selection.toml `rule`).
+SELECTION_RULES = ("paired_accuracy",)
+
+# The smallest vocabulary the byte-level BPE of align.model.tokenizer trains: 256 bytes + 4
+# special tokens (the tiny default's vocab_size).
+MIN_VOCAB_SIZE = 260

@@ -23,6 +23,7 @@ from align.model.checkpoint import (
     read_safetensors_state,
     save_hf_checkpoint,
 )
+from align.model.checkpoint_shapes import ShapeRefused
 from align.model.hf_config import MistralConfig, load_hf_config
 from align.model.mistral import NmoMistralForCausalLM
 from align.utils.weights_hash import weights_hash
@@ -162,14 +163,14 @@ def test_unexpected_tensor_is_named(single_and_sharded, extra: str):
         load_pretrained(single)
 
 
-def test_wrong_shape_is_refused(single_and_sharded):
+def test_wrong_shape_is_refused_before_the_model_is_built(single_and_sharded):
     _, single, _ = single_and_sharded
 
     def shrink(tensors):
         tensors["model.norm.weight"] = torch.ones(16)
 
     rewrite_weights(single, shrink)
-    with pytest.raises(RuntimeError, match=r"norm\.weight"):
+    with pytest.raises(ShapeRefused, match=r"norm\.weight"):
         load_pretrained(single)
 
 

@@ -131,6 +131,46 @@ def test_invalid_toml_is_refused_naming_the_file(tmp_path):
     assert str(path) in refused(path)
 
 
+def latin1_copy(tmp_path: Path) -> Path:
+    """argilla.toml behind a comment saved as Latin-1, which no UTF-8 decoder reads."""
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("# café\n".encode("latin-1") + ARGILLA.read_bytes())
+    return path
+
+
+def test_a_file_that_is_not_utf8_is_refused_naming_the_file(tmp_path):
+    path = latin1_copy(tmp_path)
+    message = refused(path)
+    assert str(path) in message
+    assert "not UTF-8" in message
+
+
+def test_a_stage_given_a_file_that_is_not_utf8_exits_2_without_a_traceback(tmp_path):
+    path = latin1_copy(tmp_path)
+    script = Path(__file__).resolve().parents[1] / "workflow" / "scripts" / "dpo.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(path), "--gates-only"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == USAGE, result.stderr
+    assert "Traceback" not in result.stderr
+    assert str(path) in result.stderr
+
+
+def test_an_optimizer_that_does_not_exist_is_refused_at_load(tmp_path):
+    path = edited_copy(tmp_path, 'name = "adamw"', 'name = "sgd"')
+    message = refused(path)
+    assert "key 'optimizer.name' expected one of ('adamw', 'adamw8bit'), found 'sgd'" in message
+
+
+def test_an_empty_results_dir_is_refused_at_load(tmp_path):
+    path = edited_copy(tmp_path, "[eval]", '[run]\nresults_dir = ""\n\n[eval]')
+    assert "key 'run.results_dir' expected a directory (required), found ''" in refused(path)
+
+
 # --- unknown keys and wrong types in the file -------------------------------------------
 
 

@@ -1,8 +1,8 @@
 """Reading and writing HF-format Mistral checkpoints for NmoMistralForCausalLM.
 
 Owns the HF <-> align tensor-name map, strict loading (`load_pretrained`, the one
-entry point that builds a model from disk) and deterministic, atomic saving in
-the layout transformers' `from_pretrained` reads.
+entry point that builds a model from disk, from a config.json its tensors confirm)
+and deterministic, atomic saving in the layout transformers' `from_pretrained` reads.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from align.model.checkpoint_files import companion_files
-from align.model.hf_config import MistralConfig, load_hf_config
+from align.model.checkpoint_shapes import verified_hf_config
+from align.model.hf_config import MistralConfig
 from align.model.mistral import NmoMistralForCausalLM
 from align.utils.dtypes import TORCH_DTYPES
 from align.utils.weights_hash import INDEX_FILE_NAME, SINGLE_FILE_NAME, checkpoint_tensors
@@ -82,7 +83,7 @@ def load_pretrained(
     """Build the model from an HF-format checkpoint directory, strictly, on `device` in `dtype`."""
     target_device = _resolve_device(device)
     target_dtype = _resolve_dtype(dtype, target_device)
-    config = dataclasses.replace(load_hf_config(path), torch_dtype=_dtype_name(target_dtype))
+    config = dataclasses.replace(verified_hf_config(path), torch_dtype=_dtype_name(target_dtype))
     hf_state = _drop_tied_lm_head(read_safetensors_state(path), config, path)
     with torch.device("meta"):
         model = NmoMistralForCausalLM(config, attn_implementation, attn_device=target_device)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from align.config import GenerationBandConfig, SelectionConfig
+from align.constants import SELECTION_RULES as RULES
 from align.data.shards import PAIR_FORMAT, read_metadata
 from align.eval.sanity import GenerationBand, judge
 from align.exit_codes import ConfigError, GateRefused
@@ -23,7 +24,6 @@ from align.paths import RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, hash_file, load_receipt, verify_hash
 from align.utils.weights_hash import weights_hash
 
-RULES = ("paired_accuracy",)
 # The SFT policy's name among the scored policies; no arm may take it.
 SFT = "sft"
 UNION = "union"

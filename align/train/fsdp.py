@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from align.model.checkpoint import hf_to_nmo, read_safetensors_state
-from align.model.hf_config import load_hf_config
+from align.model.checkpoint_shapes import verified_hf_config
 from align.model.mistral import NmoMistralForCausalLM
 from align.train.precision import Precision, mixed_precision_policy, verify_precision
 from align.utils.dist import DistInfo
@@ -49,9 +49,10 @@ def load_sharded(
 ) -> NmoMistralForCausalLM:
     """Meta-device init in the master dtype, FSDP2 sharding with the mixed-precision policy,
     then rank 0 reads the weights and broadcasts shards; the live dtypes are read back and
-    checked (`model.precision` holds the record)."""
+    checked (`model.precision` holds the record). config.json is refused (exit 3) unless
+    the tensors' headers confirm it, before anything is allocated from it."""
     master = TORCH_DTYPES[precision.master]
-    config = dataclasses.replace(load_hf_config(path), torch_dtype=precision.master)
+    config = dataclasses.replace(verified_hf_config(path), torch_dtype=precision.master)
     with torch.device("meta"):
         model = NmoMistralForCausalLM(config, attn_implementation, attn_device=info.device)
     model.to(master)

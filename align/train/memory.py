@@ -7,19 +7,23 @@ load, the data shards and the per-rank runtime. `projected_device_memory` is the
 per-GPU peak of a CUDA job: sharded master weights, gradients and optimizer state, the
 gathered layers and root in compute dtype, activations at seq_len x micro_batch (with or
 without activation checkpointing), the fused loss head's chunk, and the CUDA context.
+Both read the checkpoint's config only once its tensors confirm it (a lying config.json
+is refused, exit 3); `check_stage_rss` judges a stage's projection against the node
+before the stage builds a model.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from align.config import ArmConfig, ModelConfig, PreflightConfig, RunConfig
 from align.exit_codes import PreflightRefused
+from align.model.checkpoint_shapes import verified_hf_config, verify_checkpoint
 from align.model.hf_config import MistralConfig, load_hf_config
-from align.utils.weights_hash import INDEX_FILE_NAME, checkpoint_tensors
+from align.topology import topology
+from align.utils.weights_hash import INDEX_FILE_NAME, SINGLE_FILE_NAME
 
 MIB = 2**20
 GIB = 2**30
@@ -50,15 +54,10 @@ def optimizer_state_bytes(name: str, master_dtype: str) -> float:
 
 
 def checkpoint_bytes(checkpoint: str | Path) -> int:
-    """Bytes of the checkpoint's tensors as stored (its own dtype): the `total_size` that a
-    shard index records (transformers writes it, the sum of the shards' tensor bytes), so a
-    plan needs no shard; else from the safetensors headers."""
-    index = Path(checkpoint) / INDEX_FILE_NAME
-    if index.is_file():
-        total = json.loads(index.read_text(encoding="utf-8")).get("metadata", {}).get("total_size")
-        if isinstance(total, int) and not isinstance(total, bool):
-            return total
-    return sum(t.end - t.begin for t in checkpoint_tensors(checkpoint).values())
+    """Bytes of the checkpoint's tensors as stored (its own dtype), from the safetensors
+    headers; for a plan without its shards, the `total_size` its index records, once it
+    equals the parameters config.json implies (align.model.checkpoint_shapes)."""
+    return verify_checkpoint(checkpoint).stored_bytes
 
 
 def activation_bytes_per_token_layer(config: MistralConfig, compute_bytes: int) -> int:
@@ -120,7 +119,7 @@ def loss_head_bytes(cfg: ArmConfig, config: MistralConfig) -> float:
 
 def projected_device_memory(cfg: ArmConfig, checkpoint: str | Path) -> dict[str, Any]:
     """Projected peak memory of one GPU of the job, by term, in MiB."""
-    config = load_hf_config(checkpoint)
+    config = _device_projection_config(Path(checkpoint))
     counts = parameter_count(config)
     m, c, r = (
         DTYPE_BYTES[d] for d in (cfg.model.master_dtype, cfg.model.dtype, cfg.model.reduce_dtype)
@@ -158,6 +157,14 @@ def projected_device_memory(cfg: ArmConfig, checkpoint: str | Path) -> dict[str,
         # What torch's allocator should see (max_memory_allocated): all but the context.
         "allocated_mb": total - terms_mb["cuda_context"],
     }
+
+
+def _device_projection_config(checkpoint: Path) -> MistralConfig:
+    """config.json once the weights (or their index) confirm it; a directory without any
+    is `align memory`'s what-if, which nothing can load, so its config.json as written."""
+    if (checkpoint / SINGLE_FILE_NAME).is_file() or (checkpoint / INDEX_FILE_NAME).is_file():
+        return verified_hf_config(checkpoint)
+    return load_hf_config(checkpoint)
 
 
 def device_memory_mb(preflight: PreflightConfig) -> tuple[float, str]:
@@ -267,7 +274,8 @@ def projected_job_rss(shape: JobShape, checkpoint: str | Path, shard_bytes: int)
     times, its staging copy of the checkpoint during each load and, for a stage that
     exports, the consolidated state it gathers: the larger of the two counts.
     """
-    config = load_hf_config(checkpoint)
+    verified = verify_checkpoint(checkpoint)
+    config = verified.config
     counts = parameter_count(config)
     load = STAGE_LOADS[shape.stage]
     master, compute = DTYPE_BYTES[shape.model.master_dtype], DTYPE_BYTES[shape.model.dtype]
@@ -288,7 +296,7 @@ def projected_job_rss(shape: JobShape, checkpoint: str | Path, shard_bytes: int)
     }
     steady = {name: shape.world * value / MIB for name, value in per_rank.items()}
     # Rank 0 reads the whole checkpoint in its stored dtype, then casts it to the master dtype.
-    stored = checkpoint_bytes(checkpoint)
+    stored = verified.stored_bytes
     full_master = counts["total"] * master
     transient = {
         "load_staging_rank0": (stored + (full_master if stored != full_master else 0)) / MIB
@@ -358,3 +366,24 @@ def check_projection(
         "budget_mb": budget,
         "headroom_mb": budget - projection["node_mb"],
     }
+
+
+def check_stage_rss(
+    stage: str, cfg: Any, checkpoint: str | Path, shard_bytes: int = 0
+) -> dict[str, Any]:
+    """The stage's projected RSS (from the checkpoint's verified config and header sizes)
+    judged against its node before any model is built: refused (exit 6) when over
+    `preflight.host_memory_fraction` of it; the projection with the verdict otherwise."""
+    shape = job_shape(stage, cfg, stage_nodes(stage, cfg))
+    projection = projected_job_rss(shape, checkpoint, shard_bytes)
+    fraction = shape.preflight.host_memory_fraction
+    projection.update(check_projection(projection, fraction, *node_memory(cfg.run)))
+    return projection
+
+
+def stage_nodes(stage: str, cfg: Any) -> int:
+    """The nodes the stage's ranks span (one for a stage that scores in one process)."""
+    batch = getattr(cfg, "batch", None)
+    if batch is None or stage in SINGLE_PROCESS:
+        return 1
+    return topology(batch.world_size, batch.gpus_per_node, cfg.run.gpus_per_node).nodes

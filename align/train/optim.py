@@ -16,10 +16,9 @@ import math
 import torch
 
 from align.config import BatchConfig, OptimizerConfig
+from align.constants import OPTIMIZERS
 from align.data.sampler import steps_per_epoch
 from align.exit_codes import ConfigError
-
-OPTIMIZERS = ("adamw", "adamw8bit")
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig) -> torch.optim.Optimizer:

@@ -13,13 +13,12 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from align.constants import CPU_ISAS
+from align.constants import CPU_ISAS, LOCK_MODES
 from align.exit_codes import ConfigError, PreflightRefused
 
 # platform.machine() of the CPUs run.cpu_isa names sets of.
 X86_64 = ("x86_64", "AMD64")
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-LOCK_MODES = ("wait", "refuse", "off")
 _held: list[FileLock] = []  # held until the process exits; the OS releases it even on SIGKILL
 
 

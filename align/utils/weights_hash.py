@@ -5,12 +5,18 @@ Stdlib only: the safetensors header (8-byte little-endian length, then JSON with
 dtype, shape and data_offsets per tensor) is parsed here directly, so a gate can
 fingerprint weights without importing torch. The hash covers tensor names,
 dtypes, shapes and bytes, and nothing about how the tensors are split into files.
+
+Every safetensors file is untrusted input: its header is bounded by the file size and
+checked entry by entry (dtype, shape, offsets that tile the data exactly, as the
+safetensors library itself demands) before anything reads or allocates from it. A bad
+one is refused with `UntrustedFileRefused` (exit 3), naming the file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from collections import defaultdict
@@ -18,13 +24,48 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
+
+from align.exit_codes import GateRefused
 
 SINGLE_FILE_NAME = "model.safetensors"
 INDEX_FILE_NAME = "model.safetensors.index.json"
 HASH_VERSION = b"align-weights-sha256-v1\n"
 CHUNK_BYTES = 1 << 20
+# The safetensors library's own ceiling on a header.
 _MAX_HEADER_BYTES = 100 << 20
+# Bytes per element of every safetensors dtype of whole bytes.
+_DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+
+class UntrustedFileRefused(GateRefused, ValueError):
+    """A checkpoint's or cache's file is malformed or disagrees with what describes it:
+    refused (exit 3) naming the file. Also a ValueError, as every malformed file was before."""
+
+    def __init__(self, gate: str, path: str | Path, message: str):
+        super().__init__(gate, f"{path}: {message}")
+        self.path = Path(path)
+
+
+def _refuse(path: Path, message: str) -> UntrustedFileRefused:
+    return UntrustedFileRefused("safetensors", path, message)
 
 
 @dataclass(frozen=True)
@@ -66,27 +107,104 @@ def checkpoint_layout(checkpoint_dir: str | Path) -> dict[Path, frozenset[str] |
 
 
 def read_safetensors_header(path: Path) -> dict[str, TensorLocation]:
-    """Parse one safetensors file's header into tensor locations, validating the offsets."""
+    """Parse one safetensors file's header into tensor locations, validating every entry."""
+    return _parse_header(Path(path))[1]
+
+
+def _parse_header(path: Path) -> tuple[dict[str, str], dict[str, TensorLocation]]:
+    """(metadata, tensor locations) of one safetensors file, its header checked in full."""
+    header, data_start, file_size = _read_header_object(path)
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(
+        isinstance(key, str) and isinstance(value, str) for key, value in metadata.items()
+    ):
+        raise _refuse(path, f"__metadata__ {metadata!r:.200} is not an object of strings")
+    data_bytes = file_size - data_start
+    locations = {
+        name: _tensor_location(path, name, entry, data_start, data_bytes)
+        for name, entry in header.items()
+    }
+    _check_tiling(path, locations, data_start, data_bytes)
+    return metadata, locations
+
+
+def _read_header_object(path: Path) -> tuple[dict[str, Any], int, int]:
+    """(the header's JSON object, where the data begins, the file size); the declared
+    length is bounded by the file before a byte of the header is read."""
     file_size = path.stat().st_size
     with path.open("rb") as handle:
         prefix = handle.read(8)
         if len(prefix) != 8:
-            raise ValueError(f"{path} is too short to be a safetensors file")
+            raise _refuse(path, f"{file_size} bytes is too short for a safetensors file")
         (header_bytes,) = struct.unpack("<Q", prefix)
-        if header_bytes > min(file_size - 8, _MAX_HEADER_BYTES):
-            raise ValueError(f"{path} declares a {header_bytes}-byte header that cannot be right")
-        header = json.loads(handle.read(header_bytes))
-    header.pop("__metadata__", None)
-    data_start = 8 + header_bytes
-    locations = {}
-    for name, entry in header.items():
-        begin, end = entry["data_offsets"]
-        if not 0 <= begin <= end <= file_size - data_start:
-            raise ValueError(f"tensor {name!r} in {path} has data_offsets outside the file")
-        locations[name] = TensorLocation(
-            path, entry["dtype"], tuple(entry["shape"]), data_start + begin, data_start + end
+        limit = min(file_size - 8, _MAX_HEADER_BYTES)
+        if header_bytes > limit:
+            raise _refuse(
+                path,
+                f"header length expected at most {limit} bytes (file size {file_size}), "
+                f"found {header_bytes}",
+            )
+        raw = handle.read(header_bytes)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # bad UTF-8 and bad JSON are ValueErrors
+        raise _refuse(path, f"header is not JSON ({type(err).__name__}: {err})") from None
+    if not isinstance(header, dict):
+        raise _refuse(path, f"header expected a JSON object, found {type(header).__name__}")
+    return header, 8 + header_bytes, file_size
+
+
+def _tensor_location(
+    path: Path, name: str, entry: object, data_start: int, data_bytes: int
+) -> TensorLocation:
+    """One header entry checked: a known dtype, a shape of counts, offsets inside the data
+    that span exactly the bytes the dtype and shape need."""
+    if not isinstance(entry, dict):
+        raise _refuse(path, f"tensor {name!r} expected an object, found {type(entry).__name__}")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _DTYPE_BYTES:
+        raise _refuse(path, f"tensor {name!r} dtype {dtype!r:.100} is not a safetensors dtype")
+    if not isinstance(shape, list) or not all(map(_is_count, shape)):
+        raise _refuse(path, f"tensor {name!r} shape {shape!r:.200} is not a list of counts")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+        raise _refuse(path, f"tensor {name!r} data_offsets {offsets!r:.200} is not [begin, end]")
+    begin, end = offsets
+    if not begin <= end <= data_bytes:
+        raise _refuse(
+            path,
+            f"tensor {name!r} has data_offsets {offsets} outside the file "
+            f"({data_bytes} data bytes)",
         )
-    return locations
+    nbytes = math.prod(shape) * _DTYPE_BYTES[dtype]
+    if nbytes != end - begin:
+        raise _refuse(
+            path,
+            f"tensor {name!r} of dtype {dtype} and shape {shape} needs {nbytes} bytes, "
+            f"its data_offsets span {end - begin}",
+        )
+    return TensorLocation(path, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _check_tiling(
+    path: Path, locations: dict[str, TensorLocation], data_start: int, data_bytes: int
+) -> None:
+    """The tensors tile the data with no hole, overlap or trailing byte (safetensors' rule)."""
+    covered = 0
+    for name, location in sorted(locations.items(), key=lambda item: item[1].begin):
+        if location.begin - data_start != covered:
+            raise _refuse(
+                path,
+                f"tensor {name!r} expected to begin at data byte {covered}, found "
+                f"{location.begin - data_start} (holes and overlaps are refused)",
+            )
+        covered = location.end - data_start
+    if covered != data_bytes:
+        raise _refuse(path, f"tensors expected to end at data byte {data_bytes}, found {covered}")
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def checkpoint_tensors(checkpoint_dir: str | Path) -> dict[str, TensorLocation]:
@@ -98,7 +216,9 @@ def checkpoint_tensors(checkpoint_dir: str | Path) -> dict[str, TensorLocation]:
             _check_shard_matches_index(path, indexed_names, set(found))
         duplicated = sorted(set(found) & set(tensors))
         if duplicated:
-            raise ValueError(f"tensors {duplicated} in {path} also appear in another shard")
+            raise UntrustedFileRefused(
+                "checkpoint", path, f"tensors {duplicated} also appear in another shard"
+            )
         tensors.update(found)
     return tensors
 
@@ -152,7 +272,7 @@ def _feed_bytes(update: Callable[[bytes], None], handle: BinaryIO, begin: int, e
     while remaining:
         chunk = handle.read(min(CHUNK_BYTES, remaining))
         if not chunk:
-            raise ValueError(f"{handle.name} ended before byte {end}")
+            raise _refuse(Path(handle.name), f"ended before byte {end}")
         update(chunk)
         remaining -= len(chunk)
 
@@ -160,7 +280,8 @@ def _feed_bytes(update: Callable[[bytes], None], handle: BinaryIO, begin: int, e
 def read_weight_map(index: Path) -> dict[str, str]:
     """The index's tensor name -> shard file map; shards must lie beside the index."""
     with index.open(encoding="utf-8") as handle:
-        weight_map = json.load(handle).get("weight_map")
+        content = json.load(handle)
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(file_name, str) for file_name in weight_map.values()
     ):
@@ -174,10 +295,14 @@ def read_weight_map(index: Path) -> dict[str, str]:
 def _check_shard_matches_index(path: Path, indexed: frozenset[str], found: set[str]) -> None:
     missing = sorted(indexed - found)
     if missing:
-        raise ValueError(f"tensors {missing} listed in the index are not in shard {path}")
+        raise UntrustedFileRefused(
+            "checkpoint", path, f"tensors {missing} listed in the index are not in this shard"
+        )
     unlisted = sorted(found - indexed)
     if unlisted:
-        raise ValueError(f"tensors {unlisted} in shard {path} are not listed in the index")
+        raise UntrustedFileRefused(
+            "checkpoint", path, f"tensors {unlisted} in this shard are not listed in the index"
+        )
 
 
 def weights_fingerprint(checkpoint_dir: str | Path) -> dict[str, list[int]]:
@@ -189,8 +314,5 @@ def weights_fingerprint(checkpoint_dir: str | Path) -> dict[str, list[int]]:
 
 
 def read_safetensors_metadata(path: str | Path) -> dict[str, str]:
-    """The `__metadata__` of a safetensors file, read from its header alone."""
-    with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
-    return header.get("__metadata__") or {}
+    """The `__metadata__` of a safetensors file, read from its header alone (checked in full)."""
+    return _parse_header(Path(path))[0]

@@ -13,6 +13,7 @@ from align.receipts import PASSED, hash_file
 from align.stages import gates
 from align.stages.entry import Stage, parse_stage_args
 from align.stages.gates import ArmEntry
+from align.train.memory import check_stage_rss
 from align.train.ref_cache import TENSORS_HASH, expected_key, ref_forward_impl
 from align.utils.guard import apply_resource_guards
 from align.utils.weights_hash import file_tensors_hash
@@ -100,6 +101,7 @@ def main() -> None:
     checkpoint = gates.sft_gate(paths).checkpoint
     entry = gates.manifest_entry(paths, cfg, checkpoint)
     apply_resource_guards(cfg.run, mode, [cfg.run.results_dir])
+    check_stage_rss(mode, cfg, checkpoint, sum(entry.shards[s].stat().st_size for s in SPLITS))
     from align.utils.dist import destroy_distributed
 
     run = measure_path_bias if mode == "path_bias" else build_caches

@@ -19,6 +19,7 @@ from align.receipts import FAILED, PASSED, hash_file
 from align.stages import gates
 from align.stages import select as sel
 from align.stages.entry import Stage, parse_stage_args
+from align.train.memory import check_stage_rss
 from align.utils.guard import configure_cpu
 
 
@@ -130,6 +131,8 @@ def main() -> None:
     }
 
     configure_cpu(cfg.run)
+    for checkpoint in policies.values():
+        check_stage_rss("select_arms", cfg, checkpoint)
     from align.utils.dist import destroy_distributed
 
     figures = score_everything(cfg, paths, sources, manifest["pins"], policies)

@@ -10,6 +10,7 @@ from align.paths import RunPaths
 from align.receipts import PASSED
 from align.stages.entry import Stage, parse_stage_args
 from align.stages.gates import require_checkpoint
+from align.train.memory import check_stage_rss
 from align.utils.guard import apply_resource_guards
 
 
@@ -20,6 +21,7 @@ def main() -> None:
     stage = Stage("sft")
     require_checkpoint("base_model", cfg.run.base_model)
     apply_resource_guards(cfg.run, "sft", [cfg.run.results_dir])
+    check_stage_rss("sft", cfg, cfg.run.base_model)
     from align.stages.sft import run_sft
     from align.utils.dist import destroy_distributed
     from align.utils.weights_hash import weights_hash

@@ -12,6 +12,7 @@ from align.paths import RunPaths
 from align.receipts import FAILED, PASSED
 from align.stages.entry import Stage, parse_stage_args
 from align.stages.gates import require_checkpoint
+from align.train.memory import check_stage_rss
 from align.utils.guard import apply_resource_guards
 
 
@@ -23,6 +24,7 @@ def main() -> None:
     checkpoint = Path(cfg.run.sft_checkpoint) if cfg.run.sft_checkpoint else paths.sft_checkpoint
     require_checkpoint("sft_gate", checkpoint)
     apply_resource_guards(cfg.run, "sft_gate", [cfg.run.results_dir])
+    check_stage_rss("sft_gate", cfg, checkpoint)
     from align.stages.sft import evaluate_sft_gate
     from align.utils.dist import destroy_distributed
     from align.utils.weights_hash import weights_fingerprint, weights_hash
