@@ -248,9 +248,9 @@ class DpoConfig:
     loss: str = "sigmoid"
     # Conservative DPO: the label is taken as flipped with this probability (sigmoid only).
     label_smoothing: float = 0.0
-    # RPO: this weight x the chosen response's token-mean NLL is added to each pair's loss.
+    # RPO: this weight x the chosen response's own token-mean NLL is added to each pair's loss.
     rpo_alpha: float = 0.0
-    # Score per-token mean log-probs instead of sums (length-normalized DPO).
+    # Score per-token mean log-probs instead of sums (length-normalized DPO); IPO always does.
     length_normalize: bool = False
     # R-DPO: this weight x (chosen tokens - rejected tokens) is subtracted from the margin.
     rdpo_alpha: float = 0.0

@@ -144,11 +144,13 @@ RESULT_FIELDS = (
     "losses",
     "chosen_logps",
     "rejected_logps",
-    "chosen_logps_mean",
-    "rejected_logps_mean",
+    "chosen_logps_per_token",
+    "rejected_logps_per_token",
     "chosen_rewards",
     "rejected_rewards",
-    "margins",
+    "chosen_rewards_per_token",
+    "rejected_rewards_per_token",
+    "scored_margins",
 )
 
 
@@ -168,9 +170,9 @@ def check_dpo_against_reference(objective: DPOObjective, dtype: torch.dtype) -> 
         assert relative_error(getattr(result, field), getattr(expected, field)) <= tolerance, field
     assert torch.equal(result.chosen_tokens, expected.chosen_tokens)
     assert torch.equal(result.rejected_tokens, expected.rejected_tokens)
-    assert (result.nll is None) == (objective.rpo_alpha == 0)
-    if result.nll is not None:
-        assert relative_error(result.nll, expected.nll) <= tolerance
+    assert (result.nll_chosen_seq_mean is None) == (objective.rpo_alpha == 0)
+    if result.nll_chosen_seq_mean is not None:
+        assert relative_error(result.nll_chosen_seq_mean, expected.nll_chosen_seq_mean) <= tolerance
     for grad, expected_grad in zip(
         gradients(result.loss, [hidden, weight]),
         gradients(expected.loss, [hidden64, weight64]),
@@ -304,9 +306,9 @@ def test_each_variant_follows_its_formula():
     assert objective_losses(beta=0.5, label_smoothing=0.2) == pytest.approx(
         [0.8 * softplus(-x) + 0.2 * softplus(x) for x in m]
     )
-    assert objective_losses(beta=0.5, loss="ipo") == pytest.approx(
-        [(x / 0.5 - 1 / (2 * 0.5)) ** 2 for x in m]
-    )
+    ipo = [(x / 0.5 - 1 / (2 * 0.5)) ** 2 for x in hand_margins(0.5, normalize=True)]
+    assert objective_losses(beta=0.5, loss="ipo") == pytest.approx(ipo)
+    assert objective_losses(beta=0.5, loss="ipo", length_normalize=True) == pytest.approx(ipo)
     assert objective_losses(beta=0.5, loss="hinge") == pytest.approx([max(0.0, 1 - x) for x in m])
     length_gaps = [5 - 7, 10 - 8]
     assert objective_losses(beta=0.5, rdpo_alpha=0.1) == pytest.approx(

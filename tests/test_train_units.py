@@ -311,7 +311,7 @@ def hand_metrics(model) -> dict[str, float]:
         loss = math.log1p(math.exp(-(reward_c - reward_r))) + METRICS_OBJECTIVE.rpo_alpha * nll
         rows.append((loss, reward_c, reward_r, float(reward_c > reward_r), chosen, rejected, nll))
     names = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies")
-    names += ("logps/chosen", "logps/rejected", "nll/chosen")
+    names += ("logps/chosen", "logps/rejected", "nll/chosen_seq_mean")
     means = {name: sum(row[i] for row in rows) / len(rows) for i, name in enumerate(names)}
     means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
     return means

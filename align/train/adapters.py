@@ -11,7 +11,7 @@ import torch
 
 from align.data.loader import TokenBatch
 from align.eval.logprobs import sequence_logps_and_counts
-from align.losses.dpo import DPOObjective, dpo_objective
+from align.losses.dpo import DPOObjective, dpo_objective, metric_names, metric_sums
 from align.train.tripwires import PairStats
 
 
@@ -36,19 +36,12 @@ class SftAdapter:
 
 
 class DpoAdapter:
-    """Pair-mean DPO objective against cached reference log-probs (looked up by row)."""
+    """Pair-mean DPO objective against cached reference log-probs (looked up by row).
+
+    Logs `align.losses.dpo.metric_names`: each the mean over the step's pairs.
+    """
 
     name = "dpo"
-    metric_keys = (
-        "loss_sum",
-        "pairs",
-        "rewards/chosen",
-        "rewards/rejected",
-        "rewards/accuracies",
-        "logps/chosen",
-        "logps/rejected",
-        "nll_sum",
-    )
 
     def __init__(
         self, objective: DPOObjective, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor
@@ -56,6 +49,7 @@ class DpoAdapter:
         self.objective = objective
         self.ref_chosen = ref_chosen
         self.ref_rejected = ref_rejected
+        self.metric_keys = ("pairs", *metric_names(objective))
         self.pair_stats: list[PairStats] = []  # drained by the tripwires after each step
 
     def step_denominator(self, micro_batches: list[TokenBatch]) -> float:
@@ -69,26 +63,14 @@ class DpoAdapter:
         ref_chosen = self.ref_chosen[rows].to(logps.device)
         ref_rejected = self.ref_rejected[rows].to(logps.device)
         result = dpo_objective(logps, counts, ref_chosen, ref_rejected, self.objective)
-        n = result.num_pairs
-        sums = {
-            "loss_sum": float(result.losses.detach().sum()),
-            "pairs": n,
-            "rewards/chosen": float(result.chosen_rewards.sum()),
-            "rewards/rejected": float(result.rejected_rewards.sum()),
-            "rewards/accuracies": float(
-                (result.chosen_rewards > result.rejected_rewards).float().sum()
-            ),
-            "logps/chosen": float(result.chosen_logps.detach().sum()),
-            "logps/rejected": float(result.rejected_logps.detach().sum()),
-            "nll_sum": float(result.nll.detach().sum()) if result.nll is not None else 0.0,
-        }
+        sums = {"pairs": result.num_pairs, **metric_sums(result)}
         chosen_tokens = result.chosen_tokens.double()
         self.pair_stats.append(
             PairStats(
                 chosen_logratio_per_token=_numpy(
                     (result.chosen_logps.detach().double() - ref_chosen.double()) / chosen_tokens
                 ),
-                margins=_numpy(result.margins.double()),
+                margins=_numpy(result.scored_margins.double()),
                 chosen_tokens=_numpy(chosen_tokens),
                 rejected_tokens=_numpy(result.rejected_tokens.double()),
             )
@@ -97,19 +79,7 @@ class DpoAdapter:
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         pairs = max(1, sums["pairs"])
-        out = {"loss": sums["loss_sum"] / pairs}
-        for key in (
-            "rewards/chosen",
-            "rewards/rejected",
-            "rewards/accuracies",
-            "logps/chosen",
-            "logps/rejected",
-        ):
-            out[key] = sums[key] / pairs
-        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
-        if self.objective.rpo_alpha > 0:
-            out["nll/chosen"] = sums["nll_sum"] / pairs
-        return out
+        return {key: sums[key] / pairs for key in self.metric_keys if key != "pairs"}
 
 
 def _numpy(tensor: torch.Tensor):
