@@ -17,16 +17,21 @@ PAD_SEGMENT, PREFIX_SEGMENT, BRANCH_SEGMENT = 0, 1, 2
 
 # run.cpu_isa: the variable each CPU math library reads at start-up to cap the instruction
 # set it dispatches to (torch's own kernels, MKL's reproducible branch, oneDNN), and the
-# capability torch then reports.
+# capability torch then reports. MKL's branch is strict: its matrix products then give the
+# same bits whatever the number of threads, so a rank of 2 threads matches a rank of 1.
 CPU_ISAS = {
     "avx2": {
-        "env": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+        "env": {
+            "ATEN_CPU_CAPABILITY": "avx2",
+            "MKL_CBWR": "AVX2,STRICT",
+            "ONEDNN_MAX_CPU_ISA": "AVX2",
+        },
         "torch_capability": "AVX2",
     },
     "avx512": {
         "env": {
             "ATEN_CPU_CAPABILITY": "avx512",
-            "MKL_CBWR": "AVX512",
+            "MKL_CBWR": "AVX512,STRICT",
             "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
         },
         "torch_capability": "AVX512",

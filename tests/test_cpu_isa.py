@@ -1,5 +1,6 @@
-"""run.cpu_isa: the CPU math libraries capped at one instruction set, so that a CPU run
-computes the same bits on CPUs of different generations, and the set torch ran recorded."""
+"""run.cpu_isa: the CPU math libraries capped at one instruction set and MKL held to its
+strict reproducible branch, so that a CPU run computes the same bits whatever its thread
+count and on CPUs of other generations, and the set torch ran is recorded."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_the_pin_sets_the_variable_each_library_reads(on_x86_64):
     pin_cpu_isa("avx2")
     assert {var: os.environ[var] for var in CPU_ISAS["avx2"]["env"]} == {
         "ATEN_CPU_CAPABILITY": "avx2",
-        "MKL_CBWR": "AVX2",
+        "MKL_CBWR": "AVX2,STRICT",
         "ONEDNN_MAX_CPU_ISA": "AVX2",
     }
 
@@ -79,28 +80,33 @@ def test_a_pin_torch_does_not_run_at_is_refused_naming_both(on_x86_64, monkeypat
     assert_cpu_isa("")  # no pin: whatever torch runs
 
 
-def run_child(code: str, *env_drop: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in env_drop}
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
+def run_child(code: str, *args: str) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    }
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, env=env
     )
 
 
+# Three AdamW steps of the tiny model on a batch wide enough that MKL splits its matrix
+# products across threads; prints the rank's device identity and the weights' digest.
 PINNED_STEPS = """
+import sys
 from align.config import RunConfig
 from align.utils.guard import configure_cpu
-configure_cpu(RunConfig(threads=1, cpu_isa="avx2"))
+configure_cpu(RunConfig(threads=int(sys.argv[1]), cpu_isa=sys.argv[2]))
 import hashlib
 import torch
 from tiny_models import tiny_mistral_config
 from align.model.mistral import NmoMistralForCausalLM
 from align.utils.dist import DistInfo, assert_cpu_isa, device_identity
-assert_cpu_isa("avx2")
+assert_cpu_isa(sys.argv[2])
 torch.manual_seed(0)
 model = NmoMistralForCausalLM(tiny_mistral_config())
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-ids = torch.randint(0, 64, (4, 24))
+ids = torch.randint(0, 64, (8, 96))
 for _ in range(3):
     logits = model(ids)
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
@@ -111,22 +117,23 @@ weights = b"".join(p.detach().numpy().tobytes() for p in model.parameters())
 print(device_identity(DistInfo(0, 0, 1, torch.device("cpu"), "gloo")))
 print(hashlib.sha256(weights).hexdigest())
 """
-# Three AdamW steps of the tiny model under the AVX2 pin. Computed on an AVX-512 CPU (AMD
-# EPYC); the default run's figures on that CPU under the pin equal those of an AVX2-only
-# CPU without it, alarm for alarm.
-PINNED_DIGEST = "053c5fd7ed178f50496338e1defbf5368ae649f6766b6d4889156b29572ce714"
+
+
+def pinned_steps(threads: int, isa: str) -> tuple[str, str]:
+    """(device identity, weights digest) of PINNED_STEPS in a fresh process."""
+    child = run_child(PINNED_STEPS, str(threads), isa)
+    assert child.returncode == 0, child.stderr[-3000:]
+    identity, digest = child.stdout.split()
+    return identity, digest
 
 
 @X86_ONLY
-def test_steppairs_failing_on_an_avx512_cpu_training_under_the_pin_is_the_same_bits_there():
-    """Unpinned, an AVX-512 CPU rounded the default run's steps differently from an AVX2
-    one, and its steppairs rerun ended by a tripwire. Pinned, both compute these bits, and
-    the rank's device identity names the set that ran."""
-    child = run_child(PINNED_STEPS, *CPU_ISAS["avx2"]["env"])
-    assert child.returncode == 0, child.stderr[-3000:]
-    identity, digest = child.stdout.split()
-    assert ":cpu:AVX2:pid" in identity, identity
-    assert digest == PINNED_DIGEST
+def test_two_node_and_one_node_ranks_of_other_thread_counts_compute_the_same_bits_under_the_pin():
+    """A rank of two threads (one rank per node) and one of one thread (two ranks on one
+    node) trained to different weights until MKL's reproducible branch was made strict."""
+    one, two = pinned_steps(1, "avx2"), pinned_steps(2, "avx2")
+    assert ":cpu:AVX2:pid" in one[0], one
+    assert one[1] == two[1]
 
 
 @X86_ONLY
