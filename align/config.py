@@ -424,8 +424,13 @@ class PreflightConfig:
 
     # Share of the node's memory the projected peak may fill: the rest is the OS's and caches'.
     host_memory_fraction: float = 0.9
-    # Each rank's runtime (interpreter, torch, allocator) outside the model's tensors.
-    rank_overhead_mb: float = 520.0
+    # Each CPU rank's host runtime (interpreter, torch, gloo, allocator) outside the model's
+    # tensors: the constant term of the tiny default's measured DPO job (520 of its 1,304 MB).
+    cpu_rank_overhead_mb: float = 520.0
+    # Each CUDA rank's host runtime: torch with an NCCL group held 2,271 MiB after its first
+    # CUDA call (pytorch/pytorch#106511), and Triton's compiler and bitsandbytes add to it.
+    # benchmarks/gpu_check.sh measures it (rank_overhead.json): put its figure here.
+    cuda_rank_overhead_mb: float = 4096.0
     # float32 activation values a CPU training forward keeps per token, hidden unit and layer.
     activation_factor: float = 24.0
     # The probe refuses a projection more than this share below its measured peak.
@@ -465,7 +470,8 @@ class PreflightConfig:
                 "a fraction in (0, 1]",
                 True,
             ),
-            non_negative("rank_overhead_mb", self.rank_overhead_mb),
+            non_negative("cpu_rank_overhead_mb", self.cpu_rank_overhead_mb),
+            non_negative("cuda_rank_overhead_mb", self.cuda_rank_overhead_mb),
             positive("activation_factor", self.activation_factor),
             Check(
                 "calibration_tolerance",

@@ -3,7 +3,8 @@
 # gate, the attention benchmark, the selector on CUDA, tests/test_flash_attn.py on the
 # GPU, and the precision and device-memory checks (bf16 compute over float32 masters, the
 # elements one step at lr 5e-7 moves, projected vs measured memory of a full-width
-# Mistral-7B step with adamw8bit, the fused loss head's memory at T = 4096). Every step
+# Mistral-7B step with adamw8bit, the fused loss head's memory at T = 4096, and a CUDA
+# rank's host memory against preflight.cuda_rank_overhead_mb). Every step
 # runs even when an earlier one failed; the exit status is non-zero when any failed.
 # Results land under $OUT (receipt, logs, benchmark table, precision_memory.json).
 set -uo pipefail
@@ -11,9 +12,11 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:?set OUT to the folder the results go to}
 PYTHON=${PYTHON:-python3}
-TRITON_PIN=3.9.0
-PYTEST_PIN=9.2.0
-BITSANDBYTES_PIN=0.50.2
+# The cluster extra's and the test extra's pins (pyproject.toml).
+pin() { grep -oE "\"$1==[^\"]+\"" pyproject.toml | head -1 | tr -d '"' | cut -d= -f3; }
+TRITON_PIN=$(pin triton)
+PYTEST_PIN=$(pin pytest)
+BITSANDBYTES_PIN=$(pin bitsandbytes)
 mkdir -p "$OUT/receipts"
 # The selector and the tests look for the receipt where the gate writes it.
 export ALIGN_KERNEL_RECEIPTS="$OUT/receipts"

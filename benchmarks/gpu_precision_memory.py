@@ -1,4 +1,5 @@
-"""On one CUDA GPU: bf16 compute over float32 masters, the elements one step moves, the
+"""On one CUDA GPU: a training rank's host memory outside the model against the preflight's
+per-rank constant, bf16 compute over float32 masters, the elements one step moves, the
 device-memory projection against what a full-width Mistral-7B step allocates, and the
 fused loss head's memory against full logits at T = 4096.
 
@@ -71,10 +72,10 @@ def peak_mb() -> float:
     return torch.cuda.max_memory_allocated() / 2**20 if DEVICE == "cuda" else 0.0
 
 
-def sharded_model(config: MistralConfig, precision: Precision, seed: int = 0):
+def sharded_model(config: MistralConfig, precision: Precision, seed: int = 0, attn: str = "sdpa"):
     """The model as align.train.fsdp.load_sharded builds it, with random weights."""
     with torch.device("meta"):
-        model = NmoMistralForCausalLM(config, "sdpa", attn_device=torch.device(DEVICE))
+        model = NmoMistralForCausalLM(config, attn, attn_device=torch.device(DEVICE))
     model.to(TORCH_DTYPES[precision.master])
     apply_fsdp(model, mixed_precision_policy(precision))
     model.to_empty(device=DEVICE)
@@ -107,6 +108,36 @@ def dpo_loss(model, batch: TokenBatch) -> torch.Tensor:
     logps, counts = sequence_logps_and_counts(model, batch)
     zeros = torch.zeros(1, device=logps.device)
     return dpo_objective(logps, counts, zeros, zeros, DPOObjective(beta=0.1)).loss
+
+
+def check_rank_host_overhead() -> dict:
+    """A training rank's host peak with a model too small to count: the interpreter, torch,
+    the process group and, on CUDA, the driver's host side, Triton's compiled kernel and
+    bitsandbytes, as a production rank loads them. Run first, before any large check."""
+    from align.config import OptimizerConfig, PreflightConfig
+    from align.train.memory import rank_overhead_mb
+    from align.train.trainer import peak_rss_bytes
+
+    cuda = DEVICE == "cuda"
+    precision = Precision("bfloat16" if cuda else "float32")
+    model = sharded_model(MistralConfig(**SMALL), precision, attn="triton_fa2" if cuda else "sdpa")
+    name = "adamw8bit" if cuda else "adamw"
+    optimizer = build_optimizer(model, OptimizerConfig(name=name, lr=1e-4))
+    for _ in range(3):
+        dpo_loss(model, pair_batch(SMALL["vocab_size"], 256, 64)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    sync()
+    measured = peak_rss_bytes() / 2**20
+    configured = rank_overhead_mb(PreflightConfig(), DEVICE)
+    return {
+        # The constant must cover what a rank holds; replace it with this figure when it does not.
+        "ok": measured <= configured,
+        "device": DEVICE,
+        "host_peak_mb": measured,
+        f"preflight.{DEVICE}_rank_overhead_mb": configured,
+        "measured_over_configured": measured / configured,
+    }
 
 
 def check_bf16_compute() -> dict:
@@ -231,6 +262,7 @@ def main() -> int:
     DEVICE = args.device
     init_distributed(tempfile.mkdtemp(), DEVICE)
     checks = {
+        "rank_host_overhead": check_rank_host_overhead,
         "bf16_compute_float32_master": check_bf16_compute,
         "elements_moved_at_lr_5e-7": check_elements_moved,
         "device_projection_7b_adamw8bit": lambda: check_device_projection(

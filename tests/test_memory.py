@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from mistral_7b import MISTRAL_7B
+from mistral_7b import MISTRAL_7B, write_config_only_checkpoint
 
 from align.cli import main as align_main
 from align.config import ArmConfig, apply_overrides
@@ -18,8 +18,10 @@ from align.train.memory import (
     MIB,
     activation_bytes_per_token_layer,
     check_device_projection,
+    job_shape,
     parameter_count,
     projected_device_memory,
+    projected_job_rss,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +55,18 @@ def test_mistral_7b_has_its_published_parameter_count(stub):
     from align.model.hf_config import load_hf_config
 
     assert parameter_count(load_hf_config(stub))["total"] == 7_241_732_096
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_each_rank_holds_its_own_devices_runtime_on_the_host(tmp_path, device):
+    """A CUDA rank's host runtime (NCCL, the driver, Triton) is not a CPU rank's."""
+    planned = write_config_only_checkpoint(tmp_path / "mistral-7b")
+    cfg = arm("adamw8bit", True, f"--run.device={device}")
+    projection = projected_job_rss(job_shape("dpo", cfg), planned, shard_bytes=0)
+    runtime = projection["terms_mb"]["runtime"]
+    per_rank = getattr(cfg.preflight, f"{device}_rank_overhead_mb")
+    assert runtime == pytest.approx(4 * per_rank)
+    assert cfg.preflight.cuda_rank_overhead_mb > 4 * cfg.preflight.cpu_rank_overhead_mb
 
 
 def test_sharded_terms_follow_from_the_parameter_count(stub):

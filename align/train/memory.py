@@ -292,7 +292,7 @@ def projected_job_rss(shape: JobShape, checkpoint: str | Path, shard_bytes: int)
         "gathered_layer": 2 * counts["layer"] * compute if on_cpu else 0.0,
         "activations": _cpu_activations(shape, load, config) if on_cpu else 0.0,
         "data_shards": float(shard_bytes),
-        "runtime": shape.preflight.rank_overhead_mb * MIB,
+        "runtime": rank_overhead_mb(shape.preflight, shape.device) * MIB,
     }
     steady = {name: shape.world * value / MIB for name, value in per_rank.items()}
     # Rank 0 reads the whole checkpoint in its stored dtype, then casts it to the master dtype.
@@ -315,6 +315,11 @@ def projected_job_rss(shape: JobShape, checkpoint: str | Path, shard_bytes: int)
         # Rank 0's node: its share of the steady terms and rank 0's transient.
         "node_mb": sum(steady.values()) / shape.nodes + peak_transient,
     }
+
+
+def rank_overhead_mb(preflight: PreflightConfig, device: str) -> float:
+    """Host memory a rank holds outside the model's tensors, for the device it computes on."""
+    return preflight.cuda_rank_overhead_mb if device == "cuda" else preflight.cpu_rank_overhead_mb
 
 
 def _cpu_activations(shape: JobShape, load: StageLoad, config: MistralConfig) -> float:
