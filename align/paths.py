@@ -40,6 +40,13 @@ def ended_run_in(run_dir: str | Path) -> Path:
     return checkpoints_in(run_dir) / "ended.json"
 
 
+def trained_record_in(run_dir: str | Path) -> Path:
+    """Where the DPO stage records what training decided once its policy is exported, beside
+    the first run's checkpoints (so a fresh run moves it aside with them): a retry after a
+    stop in evaluation reads it and evaluates the exported policy instead of training again."""
+    return checkpoints_in(run_dir) / "trained.json"
+
+
 def stop_marker_in(run_dir: str | Path) -> Path:
     """Where a training run that stopped cleanly (checkpoint saved) tells its launcher to
     exit 75, and its retry what it resumes after."""

@@ -8,6 +8,8 @@ batches are dealt round-robin and every rank runs the same number of forwards
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from tqdm import tqdm
@@ -35,15 +37,19 @@ def score_blocks(
     pad_rows: np.ndarray,
     desc: str = "score",
     show: bool = True,
+    between_batches: Callable[[], None] | None = None,
 ) -> list[np.ndarray | None]:
     """Summed log-probs [chosen..., rejected...] (float64) of each block of shard rows.
 
     A None block is a forward of `pad_rows` whose result is dropped: it keeps this rank
-    in step with ranks that have a block to score.
+    in step with ranks that have a block to score. `between_batches` runs before each
+    forward on every rank alike (a stop check may raise there).
     """
     model.eval()
     out: list[np.ndarray | None] = []
     for block in tqdm(blocks, desc=desc, mininterval=5, disable=not show):
+        if between_batches is not None:
+            between_batches()
         rows = block if block is not None else pad_rows
         logps = sequence_logps(model, shard.collate(rows)).double().cpu().numpy()
         out.append(logps if block is not None else None)
@@ -57,6 +63,7 @@ def score_pairs(
     info: DistInfo,
     desc: str = "score",
     rows: np.ndarray | None = None,
+    between_batches: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(chosen, rejected) summed log-probs of `rows` of `shard` (default all), in that order."""
     selected = np.arange(len(shard)) if rows is None else np.asarray(rows)
@@ -70,6 +77,7 @@ def score_pairs(
         selected[: min(batch_size, n)],
         desc,
         info.is_main,
+        between_batches,
     )
     for block, logps in zip(blocks, scored, strict=True):
         if block is not None:

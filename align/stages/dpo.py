@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,9 +26,9 @@ from align.data.loader import PairShard
 from align.eval.generation import generation_check, generation_prompts
 from align.eval.preference import implicit_reward_preference, policy_preference, score_pairs
 from align.eval.sanity import GenerationBand, chosen_responses, judge
-from align.exit_codes import ConfigError
+from align.exit_codes import ConfigError, GateRefused, ResumableStop
 from align.losses.dpo import DPOObjective
-from align.paths import FIRST_RUN, RERUN, SPLITS, ended_run_in
+from align.paths import FIRST_RUN, RERUN, SPLITS, ended_run_in, trained_record_in
 from align.receipts import write_json_atomic
 from align.stages.entry import is_main_process
 from align.stages.gates import CacheInUse, GateContext
@@ -36,9 +38,10 @@ from align.train.precision import describe as describe_precision
 from align.train.probes import probe_figures
 from align.train.ref_cache import load_ref_cache
 from align.train.session import build_trainer, export_policy, load_policy, start_session
-from align.train.trainer import peak_rss_bytes
+from align.train.trainer import StopRequest, peak_rss_bytes
 from align.train.tripwires import Alarm, Tripwires, describe_alarm
 from align.utils.dist import DistInfo, all_gather_floats, all_reduce_sum, any_rank, barrier
+from align.utils.weights_hash import weights_fingerprint
 
 
 def _ref(cache: CacheInUse, shard: PairShard) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,8 +337,91 @@ def record_ended_run(run: dict[str, Any], run_dir: Path) -> None:
         write_json_atomic(ended_run_in(run_dir), {"record": run["record"], "banner": run["banner"]})
 
 
+# The phases after training. A stop in export ends once the policy is exported; a stop in
+# evaluation ends between batches. Both leave the stop marker and exit 75, and the retry
+# evaluates the exported policy without training again.
+EXPORT, EVALUATE = "export", "evaluate"
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What training decided, recorded once the policy is exported: what the arm result
+    needs of training, so a retry after a stop can evaluate without training again."""
+
+    banner: str | None
+    training: dict[str, Any]
+    final_config: dict[str, Any]
+    generation: dict[str, Any] | None
+    tripwire: dict[str, Any]
+    # Sizes and times of the exported weight files, to refuse a policy changed since.
+    policy_fingerprint: dict[str, list[int]]
+
+
+class PhaseStops:
+    """SIGTERM / SIGUSR1 after training, honoured at the next phase boundary or batch.
+
+    Installed for the whole stage: a trainer installs its own handler while it fits and
+    puts this one back after."""
+
+    def __init__(self, ctx: GateContext):
+        self.request, self.ctx = StopRequest(), ctx
+
+    def __enter__(self) -> PhaseStops:
+        self.request.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.request.uninstall()
+
+    def stop_if_requested(self, phase: str) -> None:
+        """On every rank alike: exit 75 through the stop marker when any rank was signalled."""
+        if not any_rank(self.request.signal is not None):
+            return
+        reason = f"signal {signal.Signals(self.request.signal or signal.SIGTERM).name}"
+        policy = self.ctx.paths.recorded(self.ctx.arm.policy_dir)
+        if is_main_process():
+            write_json_atomic(
+                self.ctx.arm.stop_marker, {"phase": phase, "checkpoint": policy, "reason": reason}
+            )
+        barrier()
+        raise ResumableStop(
+            f"dpo stopped in {phase} ({reason}); the policy is exported to {policy}, a retry "
+            "evaluates it"
+        )
+
+
 def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]:
-    """Train the arm; on an alarm rerun once from SFT with the pre-registered response."""
+    """Train the arm (on an alarm, rerun once from SFT with the pre-registered response),
+    export the policy, then score it and the SFT policy on the held-out pairs."""
+    trained = trained_before(cfg, ctx)
+    with PhaseStops(ctx) as stops:
+        if trained is None:
+            trained, final = train_and_export(cfg, ctx)
+            stops.stop_if_requested(EXPORT)
+            info, model = final["info"], final["model"]
+            held, ref_held = final["shards"]["held"], final["refs"]["held"]
+            resumed = None
+        else:
+            info, model, held, ref_held, resumed = reload_exported(cfg, ctx, trained)
+        held_out = evaluate(cfg, ctx, info, model, held, ref_held, stops)
+    figures: dict[str, Any] = {
+        "world_size": info.world_size,
+        "precision": model.precision,
+        "devices": list(info.devices),
+        "banner": trained.banner,
+        "training": trained.training,
+        "final_config": trained.final_config,
+        "held_out": held_out,
+        "generation": trained.generation,
+    }
+    if resumed is not None:
+        figures["evaluation_resumed_after"] = resumed
+    return {**figures, "tripwire": trained.tripwire}, info
+
+
+def train_and_export(cfg: ArmConfig, ctx: GateContext) -> tuple[Trained, dict[str, Any]]:
+    """The first run and, after an alarm, the rerun; the result run's policy exported and
+    what training decided recorded beside it."""
     first_dir = ctx.arm.training_run_dir(FIRST_RUN)
     first = ended_first_run(cfg, first_dir)
     if first is None:
@@ -348,33 +434,74 @@ def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]
         final_cfg, response = with_response(cfg)
         final = _train_once(final_cfg, ctx, ctx.arm.training_run_dir(RERUN), RERUN)
         runs.append(final)
-    info, model, held = final["info"], final["model"], final["shards"]["held"]
+    info = final["info"]
+    if info.is_main:
+        print(f"align dpo: exporting the policy to {ctx.arm.policy_dir}", file=sys.stderr)
+    export_policy(final["model"], info, ctx.checkpoint, ctx.arm.policy_dir)
+    barrier()  # rank 0 writes the export; every rank reads its files below
+    trained = Trained(
+        banner=final["banner"] or first["banner"],
+        training=final["summary"],
+        final_config=run_record(final_cfg),
+        generation=policy_generation(final),
+        tripwire=tripwire_section(cfg, runs, response),
+        policy_fingerprint=weights_fingerprint(ctx.arm.policy_dir),
+    )
+    if info.is_main:
+        write_json_atomic(trained_record_in(ctx.arm.run_dir), dataclasses.asdict(trained))
+    barrier()
+    return trained, final
+
+
+def trained_before(cfg: ArmConfig, ctx: GateContext) -> Trained | None:
+    """On a retry, what an earlier attempt's training decided once it exported the policy."""
+    path = trained_record_in(ctx.arm.run_dir)
+    if not cfg.trainer.resume or not path.is_file():
+        return None
+    return Trained(**json.loads(path.read_text()))
+
+
+def reload_exported(cfg: ArmConfig, ctx: GateContext, trained: Trained):
+    """The exported policy and the held-out pairs, for a retry that evaluates only; the stop
+    it follows is read from the marker, which it then clears."""
+    info = start_session(ctx.arm.run_dir, cfg.run, cfg.batch)
+    policy, marker = ctx.arm.policy_dir, ctx.arm.stop_marker
+    if weights_fingerprint(policy) != trained.policy_fingerprint:
+        raise GateRefused(
+            "dpo", f"{policy}: weight files changed since they were exported (sizes and times)"
+        )
+    resumed = json.loads(marker.read_text()) if marker.is_file() else None
+    barrier()
+    if info.is_main:
+        marker.unlink(missing_ok=True)
+        print(f"align dpo: training recorded; evaluating the exported {policy}", file=sys.stderr)
+    held = PairShard(ctx.entry.shards["held"], cfg.batch.share_prompt)
+    model = load_policy(policy, cfg.model, info)
+    return info, model, held, _ref(ctx.caches["held"], held), resumed
+
+
+def evaluate(
+    cfg: ArmConfig, ctx: GateContext, info: DistInfo, model, held: PairShard, ref_held, stops
+) -> dict[str, Any] | None:
+    """The SFT and trained policies' held-out preference accuracy (rank 0's record)."""
+    stops.stop_if_requested(EVALUATE)
+    if info.is_main:
+        print(f"align dpo: evaluating {len(held)} held-out pairs", file=sys.stderr)
+    between = functools.partial(stops.stop_if_requested, EVALUATE)
     eval_bs = cfg.eval.batch_size
     sft_model = load_policy(ctx.checkpoint, cfg.model, info)
-    sft_c, sft_r = score_pairs(sft_model, held, eval_bs, info, desc="eval sft")
-    pol_c, pol_r = score_pairs(model, held, eval_bs, info, desc="eval policy")
-    export_policy(model, info, ctx.checkpoint, ctx.arm.policy_dir)
-    ref_c, ref_r = (t.numpy() for t in final["refs"]["held"])
-    held_out = None
+    sft_c, sft_r = score_pairs(sft_model, held, eval_bs, info, "eval sft", between_batches=between)
+    pol_c, pol_r = score_pairs(model, held, eval_bs, info, "eval policy", between_batches=between)
+    if not info.is_main:
+        return None
     # Rank 0 alone records them; the intervals' scipy.stats import would cost every rank.
-    if info.is_main:
-        held_out = {
-            "sft": policy_preference(sft_c, sft_r),
-            "policy": policy_preference(pol_c, pol_r),
-            "policy_implicit_reward": implicit_reward_preference(pol_c, pol_r, ref_c, ref_r),
-            "mean_chosen_logp_change": float((pol_c - sft_c).mean()),
-        }
-    figures: dict[str, Any] = {
-        "world_size": info.world_size,
-        "precision": model.precision,
-        "devices": list(info.devices),
-        "banner": final["banner"] or first["banner"],
-        "training": final["summary"],
-        "final_config": run_record(final_cfg),
-        "held_out": held_out,
-        "generation": policy_generation(final),
+    ref_c, ref_r = (t.numpy() for t in ref_held)
+    return {
+        "sft": policy_preference(sft_c, sft_r),
+        "policy": policy_preference(pol_c, pol_r),
+        "policy_implicit_reward": implicit_reward_preference(pol_c, pol_r, ref_c, ref_r),
+        "mean_chosen_logp_change": float((pol_c - sft_c).mean()),
     }
-    return {**figures, "tripwire": tripwire_section(cfg, runs, response)}, info
 
 
 def policy_generation(run: dict[str, Any]) -> dict[str, Any] | None:

@@ -1,0 +1,91 @@
+"""A stop after training, on a copy of the finished default run: SIGTERM while the policy is
+exported ends once it is exported, SIGTERM while the held-out pairs are scored ends between
+batches; both exit 75 with the stop marker naming the phase, and the retry evaluates the
+exported policy without training, to the same arm result as the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from align.exit_codes import RESUMABLE_STOP
+from align.paths import RunPaths, trained_record_in
+
+REPO = Path(__file__).resolve().parents[1]
+DRIVER = REPO / "tests" / "drivers" / "dpo_stop_in_phase.py"
+ARM = RunPaths.of("results").arm("argilla")
+pytestmark = pytest.mark.slow
+
+
+def stage_args(receipt: dict) -> list[str]:
+    """The config and overrides the finished run's dpo job ran with, as its receipt records."""
+    command = shlex.split(receipt["command"])
+    script = next(i for i, arg in enumerate(command) if arg.endswith("workflow/scripts/dpo.py"))
+    return command[script + 1 :]
+
+
+# What two trainings of the same steps differ in: how long each step took.
+TIMINGS = ("step_time_s", "tokens_per_s")
+
+
+def without_timings(value):
+    if isinstance(value, dict):
+        return {k: without_timings(v) for k, v in value.items() if k not in TIMINGS}
+    if isinstance(value, list):
+        return [without_timings(v) for v in value]
+    return value
+
+
+def launch(work: Path, script: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [
+        sys.executable,
+        "-m",
+        "align.launch",
+        "--nproc=2",
+        f"--stop-marker={ARM.stop_marker}",
+        str(script),
+        *args,
+    ]
+    return subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("phase", ["export", "evaluate"])
+def test_a_stop_after_training_exits_75_and_the_retry_evaluates_the_export_to_the_same_result(
+    finished_workflow, tmp_path, phase
+):
+    work = tmp_path / "work"
+    for name in ("results", "resources"):
+        shutil.copytree(finished_workflow / name, work / name, symlinks=True)
+    uninterrupted = json.loads((work / ARM.arm_result).read_text())
+    args = stage_args(uninterrupted)
+    (work / ARM.arm_result).unlink()
+
+    stopped = launch(work, DRIVER, phase, *args)
+    assert stopped.returncode == RESUMABLE_STOP, stopped.stderr[-3000:]
+    marker = json.loads((work / ARM.stop_marker).read_text())
+    assert marker == {"phase": phase, "checkpoint": "argilla/policy", "reason": "signal SIGTERM"}
+    assert (work / trained_record_in(ARM.run_dir)).is_file()
+    metrics = (work / ARM.metrics).read_bytes()
+
+    retry = [arg for arg in args if not arg.startswith("--trainer.resume=")]
+    resumed = launch(
+        work, REPO / "workflow" / "scripts" / "dpo.py", *retry, "--trainer.resume=true"
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "training recorded; evaluating the exported" in resumed.stderr
+    assert (work / ARM.metrics).read_bytes() == metrics  # no step trained again
+    assert not (work / ARM.stop_marker).exists()
+    result = json.loads((work / ARM.arm_result).read_text())
+    assert result["figures"]["evaluation_resumed_after"] == marker
+    assert result["outputs"] == uninterrupted["outputs"]
+    for key in ("held_out", "training", "final_config", "generation"):
+        assert without_timings(result["figures"][key]) == without_timings(
+            uninterrupted["figures"][key]
+        ), key
+    assert without_timings(result["tripwire"]) == without_timings(uninterrupted["tripwire"])
