@@ -777,6 +777,8 @@ class SftConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     gate: SftGateConfig = field(default_factory=SftGateConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # The host-memory projection's terms for the sft and sft_gate jobs.
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def checks(self) -> list[Check]:

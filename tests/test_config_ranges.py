@@ -44,6 +44,17 @@ MODEL = {
     "attn_implementation": "flash9",
 }
 EVAL = {"batch_size": 0}
+PREFLIGHT = {
+    "host_memory_fraction": 7.0,
+    "cpu_rank_overhead_mb": -1.0,
+    "cuda_rank_overhead_mb": -1.0,
+    "activation_factor": 0.0,
+    "calibration_tolerance": 1.0,
+    "min_moved_fraction": 0.0,
+    "device_memory_gb": -1.0,
+    "device_memory_fraction": 1.5,
+    "cuda_context_mb": math.nan,
+}
 OPTIMIZER = {
     "name": "sgd",
     "lr": 0.0,
@@ -131,15 +142,7 @@ BAD: dict[type, dict[str, Any]] = {
         "path_bias.tolerance": -1e-3,
         "path_bias.sample_pairs": 0,
         "path_bias.seed": -1,
-        "preflight.host_memory_fraction": 7.0,
-        "preflight.cpu_rank_overhead_mb": -1.0,
-        "preflight.cuda_rank_overhead_mb": -1.0,
-        "preflight.activation_factor": 0.0,
-        "preflight.calibration_tolerance": 1.0,
-        "preflight.min_moved_fraction": 0.0,
-        "preflight.device_memory_gb": -1.0,
-        "preflight.device_memory_fraction": 1.5,
-        "preflight.cuda_context_mb": math.nan,
+        **under("preflight", PREFLIGHT),
         "tripwires.logps_window": 0,
         "tripwires.chosen_logp_floor": -math.inf,
         "tripwires.length_window_pairs": 0,
@@ -166,6 +169,7 @@ BAD: dict[type, dict[str, Any]] = {
         **under("model", MODEL),
         **under("optimizer", OPTIMIZER),
         **under("batch", BATCH),
+        **under("preflight", PREFLIGHT),
         # SFT rows are conversations, not pairs: there is no prompt to share.
         "batch.share_prompt": True,
         **under("trainer", TRAINER),

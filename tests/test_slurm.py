@@ -143,6 +143,9 @@ def reduced_config(work: Path, **overrides) -> Path:
     device = overrides.pop("sft_device", None)
     if device is not None:
         sft_toml += f'\n[run]\ndevice = "{device}"\n'
+        # The nodes' GPUs are dummies that load no CUDA; a real CUDA rank's host runtime
+        # would not fit the two test nodes that share this host.
+        sft_toml += "\n[preflight]\ncuda_rank_overhead_mb = 512.0\n"
     (work / "sft.toml").write_text(sft_toml)
     config = {
         "arms": [ARM],
