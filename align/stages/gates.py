@@ -21,15 +21,11 @@ from align.model.checkpoint_files import NotACheckpoint, checkpoint_files
 from align.model.tokenizer_hash import tokenizer_hash
 from align.paths import SPLITS, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, load_receipt, verify_hash
-from align.topology import topology
 from align.train.memory import (
     check_device_projection,
-    check_projection,
+    check_stage_rss,
     device_memory_mb,
-    job_shape,
-    node_memory,
     projected_device_memory,
-    projected_job_rss,
 )
 from align.train.path_bias import RECOMPUTE, TrainingPath, required_forward_impl
 from align.train.ref_cache import (
@@ -357,11 +353,7 @@ def preflight_projection(
 ) -> dict[str, Any]:
     """The dpo job's projected memory on its fullest node, and on each device under CUDA,
     with what it was judged against; refused (exit 6) where it does not fit."""
-    nodes = topology(cfg.batch.world_size, cfg.batch.gpus_per_node, cfg.run.gpus_per_node).nodes
-    projection = projected_job_rss(job_shape("dpo", cfg, nodes), checkpoint, shard_bytes)
-    projection.update(
-        check_projection(projection, cfg.preflight.host_memory_fraction, *node_memory(cfg.run))
-    )
+    projection = check_stage_rss("dpo", cfg, checkpoint, shard_bytes)
     if cfg.run.device == "cuda":
         device = projected_device_memory(cfg, checkpoint)
         device.update(
