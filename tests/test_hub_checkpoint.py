@@ -26,11 +26,11 @@ from align.model.checkpoint_files import (
     checkpoint_files,
     planned_checkpoint_files,
 )
+from align.model.checkpoint_shapes import verify_checkpoint
 from align.model.hf_config import load_hf_config
 from align.model.tokenizer import PAD_FROM_EOS, load_tokenizer
 from align.paths import RunPaths
 from align.receipts import PASSED, load_receipt, read_json
-from align.train.memory import checkpoint_bytes
 from align.utils.weights_hash import checkpoint_tensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,7 +104,9 @@ def test_a_plan_takes_a_download_without_its_shards_and_nothing_less(hub, tmp_pa
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_index_total_size_is_the_bytes_of_the_shards_tensors(hub, layout):
     tensors = checkpoint_tensors(hub[layout])
-    assert checkpoint_bytes(hub[layout]) == sum(t.end - t.begin for t in tensors.values())
+    assert verify_checkpoint(hub[layout]).stored_bytes == sum(
+        t.end - t.begin for t in tensors.values()
+    )
 
 
 def test_single_file_checkpoint_lists_its_one_weight_file(hub, tmp_path):

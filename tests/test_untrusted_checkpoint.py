@@ -24,7 +24,7 @@ from align.config import SftConfig
 from align.exit_codes import GATE_REFUSED, PREFLIGHT_REFUSED, PreflightRefused
 from align.model.checkpoint_shapes import verified_hf_config, verify_checkpoint
 from align.model.hf_config import load_hf_config
-from align.train.memory import check_stage_rss, checkpoint_bytes
+from align.train.memory import check_stage_rss
 from align.utils.weights_hash import (
     UntrustedFileRefused,
     read_safetensors_header,
@@ -171,7 +171,11 @@ def test_honest_checkpoint_is_its_config_and_fits(honest, honest_sharded):
     for checkpoint in (honest, honest_sharded):
         assert verified_hf_config(checkpoint) == load_hf_config(checkpoint)
     stored = sum(t.end - t.begin for t in read_safetensors_header(honest / WEIGHTS).values())
-    assert checkpoint_bytes(honest) == checkpoint_bytes(honest_sharded) == stored
+    assert (
+        verify_checkpoint(honest).stored_bytes
+        == verify_checkpoint(honest_sharded).stored_bytes
+        == stored
+    )
     projection = check_stage_rss("sft_gate", SftConfig(), honest)
     assert projection["headroom_mb"] > 0
 
@@ -262,7 +266,7 @@ def test_index_whose_total_size_lies_refused(honest_sharded, tmp_path):
     real = index["metadata"]["total_size"]
     index["metadata"]["total_size"] = 10**15
     (copy / INDEX).write_text(json.dumps(index))
-    err = refused(checkpoint_bytes, copy)
+    err = refused(verify_checkpoint, copy)
     assert err.path == copy / INDEX and f"expected {real}" in str(err) and "found 10" in str(err)
 
 
@@ -272,7 +276,7 @@ def test_plan_index_whose_total_size_lies_refused(tmp_path):
     index = json.loads((stub / INDEX).read_text())
     index["metadata"]["total_size"] = 1
     (stub / INDEX).write_text(json.dumps(index))
-    message = str(refused(checkpoint_bytes, stub))
+    message = str(refused(verify_checkpoint, stub))
     assert "metadata.total_size expected one of [14483464192, 28966928384]" in message
     assert "found 1" in message
 

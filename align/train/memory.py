@@ -53,13 +53,6 @@ def optimizer_state_bytes(name: str, master_dtype: str) -> float:
     raise PreflightRefused(f"no memory model for optimizer {name!r}")
 
 
-def checkpoint_bytes(checkpoint: str | Path) -> int:
-    """Bytes of the checkpoint's tensors as stored (its own dtype), from the safetensors
-    headers; for a plan without its shards, the `total_size` its index records, once it
-    equals the parameters config.json implies (align.model.checkpoint_shapes)."""
-    return verify_checkpoint(checkpoint).stored_bytes
-
-
 def activation_bytes_per_token_layer(config: MistralConfig, compute_bytes: int) -> int:
     """What autograd keeps of one token in one decoder layer of align.model.mistral.
 
