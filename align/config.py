@@ -431,8 +431,9 @@ class PreflightConfig:
     # CUDA call (pytorch/pytorch#106511), and Triton's compiler and bitsandbytes add to it.
     # benchmarks/gpu_check.sh measures it (rank_overhead.json): put its figure here.
     cuda_rank_overhead_mb: float = 4096.0
-    # float32 activation values a CPU training forward keeps per token, hidden unit and layer.
-    activation_factor: float = 24.0
+    # Each node's launcher of a multi-rank stage (align.launch, torchrun's agent in-process,
+    # torch imported, no device touched): 222 MiB peak measured on CPU.
+    launcher_overhead_mb: float = 230.0
     # The probe refuses a projection more than this share below its measured peak.
     calibration_tolerance: float = 0.2
     # Below this fraction of master elements moved by one step at optimizer.lr, a
@@ -472,7 +473,7 @@ class PreflightConfig:
             ),
             non_negative("cpu_rank_overhead_mb", self.cpu_rank_overhead_mb),
             non_negative("cuda_rank_overhead_mb", self.cuda_rank_overhead_mb),
-            positive("activation_factor", self.activation_factor),
+            non_negative("launcher_overhead_mb", self.launcher_overhead_mb),
             Check(
                 "calibration_tolerance",
                 self.calibration_tolerance,

@@ -37,6 +37,8 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 # Rendezvous ports derived from a Slurm job id fall in [BASE, BASE + SPAN).
 RDZV_PORT_BASE, RDZV_PORT_SPAN = 29500, 20000
+# Set for the workers: the launcher's pid, whose memory a stage counts as the job's.
+LAUNCHER_PID_ENV = "ALIGN_LAUNCHER_PID"
 # The rendezvous store's count of node launchers that have ended.
 NODES_ENDED_KEY = "align.launch/nodes_ended"
 # How long a node that has ended waits to reach the store host to say so.
@@ -222,6 +224,7 @@ def launch(ns: argparse.Namespace) -> int:
     args = get_args_parser().parse_args(torchrun_args(ns, endpoint))
     store = host_store(endpoint, ns) if endpoint and ns.node_rank == 0 else None
     forward_stop_signals()
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
         run(args)
     except ChildFailedError as err:

@@ -14,7 +14,7 @@ from snakemake.logging import logger
 from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
 from align.exit_codes import ConfigError
 from align.topology import Topology, topology
-from align.train.memory import job_shape, projected_job_rss
+from align.train.memory import job_shape, projected_job_rss, selection_seq_len
 from align.model.checkpoint_files import checkpoint_files, planned_checkpoint_files
 from align.paths import SPLITS, ReportPaths, RunPaths, SelectionPaths
 from align.receipts import read_json
@@ -448,12 +448,15 @@ def rss_mem_mb(rss_mb, attempt):
     return math.ceil(rss_mb * JOB["mem_margin"] + JOB["mem_overhead_mb"]) * attempt
 
 
-def projected_mem_mb(stage, cfg, layout, checkpoint, shards=lambda wildcards: ()):
+def projected_mem_mb(
+    stage, cfg, layout, checkpoint, shards=lambda wildcards: (), seq_len=lambda: 0
+):
     """A model-loading job's memory request: the projection of align.train.memory for
     the stage (staging, export, shards, runtime; on the CPU the model itself) on its
     fullest node. The checkpoint's own config sizes it once the checkpoint exists, the base
     model's (the same architecture) before; the default stands in when neither does.
-    `shards(wildcards)`: the data shards the job reads, counted once they exist."""
+    `shards(wildcards)`: the data shards the job reads, counted once they exist;
+    `seq_len()`: the row length of a stage whose config names none."""
 
     def mem_mb(wildcards, attempt):
         topo, _ = layout(wildcards)
@@ -465,7 +468,7 @@ def projected_mem_mb(stage, cfg, layout, checkpoint, shards=lambda wildcards: ()
         shard_bytes = sum(
             Path(p).stat().st_size for p in shards(wildcards) if Path(p).is_file()
         )
-        shape = job_shape(stage, cfg(wildcards), topo.nodes)
+        shape = job_shape(stage, cfg(wildcards), topo.nodes, seq_len())
         projection = projected_job_rss(shape, found[0], shard_bytes)
         return rss_mem_mb(projection["node_mb"], attempt)
 

@@ -29,7 +29,11 @@ rule select_arms:
     resources:
         **placement(selection_layout),
         mem_mb=projected_mem_mb(
-            "select_arms", selection_cfg_of, selection_layout, sft_checkpoint()
+            "select_arms",
+            selection_cfg_of,
+            selection_layout,
+            sft_checkpoint(),
+            seq_len=lambda: selection_seq_len([arm_cfg(arm) for arm in ARMS]),
         ),
         runtime=default_runtime,
     params:

@@ -48,7 +48,7 @@ PREFLIGHT = {
     "host_memory_fraction": 7.0,
     "cpu_rank_overhead_mb": -1.0,
     "cuda_rank_overhead_mb": -1.0,
-    "activation_factor": 0.0,
+    "launcher_overhead_mb": -1.0,
     "calibration_tolerance": 1.0,
     "min_moved_fraction": 0.0,
     "device_memory_gb": -1.0,

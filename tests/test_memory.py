@@ -26,6 +26,8 @@ from align.train.memory import (
 
 REPO = Path(__file__).resolve().parents[1]
 TOPOLOGY = ["--batch.world_size=4", "--micro_batch=1", "--grad_accum=16", "--global_batch=64"]
+# Evaluation scores 8 pairs a forward, as the production arms do.
+EVAL = ["--eval.batch_size=8"]
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +47,7 @@ def arm(optimizer: str, checkpointing: bool, *extra: str) -> ArmConfig:
         "--run.device=cuda",
         f"--trainer.activation_checkpointing={str(checkpointing).lower()}",
         *TOPOLOGY,
+        *EVAL,
         *extra,
     ]
     apply_overrides(cfg, overrides, where="test")
@@ -121,6 +124,28 @@ def test_a_job_over_the_device_is_refused_naming_the_terms(stub):
         check_device_projection(projection, cfg.preflight, 40 * 1024, "a 40 GiB card")
     fits = check_device_projection(projection, cfg.preflight, 141 * 1024, "an H200")
     assert fits["device_source"] == "an H200"
+
+
+def test_evaluation_batches_over_the_device_are_refused_naming_the_phase(stub):
+    """After training, the SFT policy's shard sits beside the trained one and evaluation
+    scores 2 x eval.batch_size rows: a batch too wide for the device is refused before the
+    job runs, though training itself fits."""
+    cfg = arm("adamw8bit", True, "--eval.batch_size=64")
+    projection = projected_device_memory(cfg, stub)
+    phases = projection["phases"]
+    assert phases["evaluate"]["total_mb"] > phases["train"]["total_mb"]
+    assert phases["evaluate"]["terms_mb"]["second_policy"] == pytest.approx(
+        7_241_732_096 / 4 * 4 / MIB
+    )
+    assert projection["total_mb"] == phases["evaluate"]["total_mb"]
+    with pytest.raises(PreflightRefused, match=r"in evaluate .* second_policy 6906"):
+        check_device_projection(projection, cfg.preflight, 40 * 1024, "a 40 GiB card")
+    check_device_projection(
+        projected_device_memory(arm("adamw8bit", True), stub),
+        cfg.preflight,
+        80 * 1024,
+        "a 40 GiB card",
+    )
 
 
 def test_align_memory_prints_the_projection(stub, capsys):

@@ -1,31 +1,49 @@
-"""The probe's memory figures on two gloo ranks whose device peaks differ: the largest rank's
-peak is the job's, every rank's is recorded, and the ratio to the projection uses the largest."""
+"""The probe's memory figures on two gloo ranks whose peaks differ: the largest rank's device
+peak is the job's, every rank's is recorded, the ratio to the projection uses the largest,
+and the host peak is the sum of the ranks' phase peaks (align.train.phases)."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from align.stages.dpo import job_peaks
+from align.stages.dpo import rank_device_peaks
+from align.train.phases import PhaseMeter, status_mb
 from align.train.probes import probe_figures
 
 PEAKS_MB = (100.0, 300.0)
 PROJECTED_MB = 250.0
+# Rank r touches (r + 1) x 64 MiB in its train phase, then frees it.
+TOUCHED_MB = 64
 
 
 def peaks_worker(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        rss, device = job_peaks(PEAKS_MB[rank])
+        meter = PhaseMeter("cpu")
+        with meter.phase("load"):
+            pass
+        with meter.phase("train"):
+            baseline = status_mb("VmRSS")
+            block = np.ones((rank + 1) * TOUCHED_MB * 2**20, dtype=np.uint8)
+            del block
+        report = meter.report({"phases": {"train": {"total_mb": 1000.0, "terms_mb": {}}}})
         figures = probe_figures(
-            [1.0, 0.5, 0.5], [10.0, 20.0, 20.0], 6, 10, rss, device, PROJECTED_MB
+            [1.0, 0.5, 0.5],
+            [10.0, 20.0, 20.0],
+            6,
+            10,
+            meter.job_host_peak_mb(),
+            rank_device_peaks(PEAKS_MB[rank]),
+            PROJECTED_MB,
         )
         with open(f"{out_dir}/rank{rank}.json", "w") as out:
-            json.dump(figures, out)
+            json.dump({"figures": figures, "phases": report, "baseline": baseline}, out)
     finally:
         dist.destroy_process_group()
 
@@ -33,11 +51,30 @@ def peaks_worker(rank: int, init_file: str, out_dir: str) -> None:
 def test_the_probe_records_the_largest_rank_peak_not_the_mean(tmp_path):
     mp.spawn(peaks_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
-        figures = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        figures = record["figures"]
         assert figures["device_peaks_mb"] == list(PEAKS_MB)
         assert figures["peak_device_mb"] == max(PEAKS_MB)
         assert figures["device_measured_over_projected"] == max(PEAKS_MB) / PROJECTED_MB
-        assert figures["peak_rss_mb"] > 0
+        assert figures["peak_rss_mb"] == record["phases"]["train"]["host_peak_mb"]
+
+
+def test_each_phase_peak_is_its_own_and_the_job_peak_sums_the_ranks(tmp_path):
+    mp.spawn(peaks_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    train = records[0]["phases"]["train"]
+    assert train == records[1]["phases"]["train"]
+    for rank in range(2):
+        # Each rank's train peak holds its block over where the phase began; its load
+        # phase, before the block, does not.
+        rise = train["rank_host_peak_mb"][rank] - records[rank]["baseline"]
+        assert abs(rise - (rank + 1) * TOUCHED_MB) < 8
+        load = records[0]["phases"]["load"]["rank_host_peak_mb"][rank]
+        assert load < train["rank_host_peak_mb"][rank] - TOUCHED_MB / 2
+    assert train["host_peak_mb"] == sum(train["rank_host_peak_mb"])
+    assert train["projected_host_mb"] == 1000.0
+    assert train["host_ratio"] == train["host_peak_mb"] / 1000.0
+    assert "projected_host_mb" not in records[0]["phases"]["load"]
 
 
 def test_off_cuda_the_probe_records_no_device_peak():

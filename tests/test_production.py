@@ -17,7 +17,7 @@ from snakemake.utils import validate
 
 from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
 from align.stages.gates import preflight_projection
-from align.train.memory import job_shape, projected_job_rss
+from align.train.memory import job_shape, projected_job_rss, selection_seq_len
 
 REPO = Path(__file__).resolve().parents[1]
 PRODUCTION = REPO / "config" / "production"
@@ -171,7 +171,12 @@ def test_each_model_loading_job_requests_its_projected_peak(dry_run, work):
             continue
         stage = PROJECTED_AS[job["rule"]]
         cfg = stage_cfg(job["rule"], job["wildcards"].get("arm"))
-        projection = projected_job_rss(job_shape(stage, cfg), stub, shard_bytes=0)
+        seq_len = (
+            selection_seq_len([arm_cfg(a) for a in workflow_config()["arms"]])
+            if stage == "select_arms"
+            else 0
+        )
+        projection = projected_job_rss(job_shape(stage, cfg, 1, seq_len), stub, shard_bytes=0)
         terms = projection["terms_mb"]
         # Rank 0's staging copy of the bf16 checkpoint and its float32 master, and for
         # stages that export, the gathered float32 state.

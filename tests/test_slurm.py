@@ -384,12 +384,13 @@ def test_untimed_jobs_take_the_configured_time(slurm_run):
     assert minutes(second_sft["TimeLimit"]) == 2 * JOB_RESOURCES["sft_runtime_min"], second_sft
 
 
-def projected_request(stage: str, cfg, checkpoint: Path, nodes: int) -> int:
+def projected_request(stage: str, cfg, checkpoint: Path, nodes: int, seq_len: int = 0) -> int:
     """The memory a model-loading job must ask for: its stage's projection on its fullest
     node plus margins."""
     from align.train.memory import job_shape, projected_job_rss
 
-    projection = projected_job_rss(job_shape(stage, cfg, nodes), checkpoint, shard_bytes=0)
+    shape = job_shape(stage, cfg, nodes, seq_len)
+    projection = projected_job_rss(shape, checkpoint, shard_bytes=0)
     return rss_request(projection["node_mb"], attempt=1)
 
 
@@ -407,7 +408,9 @@ def test_model_loading_jobs_ask_for_their_stage_projection(slurm_run):
         "sft_gate": projected_request("sft_gate", sft, checkpoint, nodes=1),
         "ref_cache": projected_request("ref_cache", arm, checkpoint, nodes=2),
         "path_bias": projected_request("path_bias", arm, checkpoint, nodes=2),
-        "select_arms": projected_request("select_arms", selection, checkpoint, nodes=1),
+        "select_arms": projected_request(
+            "select_arms", selection, checkpoint, nodes=1, seq_len=arm.data.seq_len
+        ),
     }
     for rule, request in expected.items():
         job = slurm_run.of_rule(rule)[0]

@@ -34,13 +34,14 @@ from align.stages.entry import is_main_process
 from align.stages.gates import CacheInUse, GateContext
 from align.train.adapters import DpoAdapter
 from align.train.path_bias import TrainingPath
+from align.train.phases import PhaseMeter
 from align.train.precision import describe as describe_precision
 from align.train.probes import probe_figures
 from align.train.ref_cache import load_ref_cache
 from align.train.session import build_trainer, export_policy, load_policy, start_session
-from align.train.trainer import StopRequest, peak_rss_bytes
+from align.train.trainer import StopRequest
 from align.train.tripwires import Alarm, Tripwires, describe_alarm
-from align.utils.dist import DistInfo, all_gather_floats, all_reduce_sum, any_rank, barrier
+from align.utils.dist import DistInfo, all_gather_floats, any_rank, barrier
 from align.utils.weights_hash import weights_fingerprint
 
 
@@ -49,11 +50,12 @@ def _ref(cache: CacheInUse, shard: PairShard) -> tuple[torch.Tensor, torch.Tenso
     return torch.from_numpy(chosen), torch.from_numpy(rejected)
 
 
-def _setup(cfg: ArmConfig, ctx: GateContext, run_dir: Path, trainer_cfg):
+def _setup(cfg: ArmConfig, ctx: GateContext, run_dir: Path, trainer_cfg, meter: PhaseMeter):
     info = start_session(run_dir, cfg.run, cfg.batch)
     shards = {split: PairShard(ctx.entry.shards[split], cfg.batch.share_prompt) for split in SPLITS}
     refs = {split: _ref(ctx.caches[split], shards[split]) for split in SPLITS}
-    model = load_policy(ctx.checkpoint, cfg.model, info, trainer_cfg)
+    with meter.phase("load"):
+        model = load_policy(ctx.checkpoint, cfg.model, info, trainer_cfg)
     trainer = build_trainer(
         model,
         shards["train"],
@@ -76,21 +78,24 @@ def local_device_peak_mb(info: DistInfo) -> float | None:
     return torch.cuda.max_memory_allocated(info.device) / 2**20
 
 
-def job_peaks(local_device_mb: float | None) -> tuple[float, list[float]]:
-    """Job-wide peak host RSS (the sum over ranks) and every rank's device peak, in MiB."""
-    (rss,) = all_reduce_sum([peak_rss_bytes() / 2**20])
-    return rss, ([] if local_device_mb is None else all_gather_floats(local_device_mb))
+def rank_device_peaks(local_device_mb: float | None) -> list[float]:
+    """Every rank's device peak in MiB, in rank order; none off CUDA."""
+    return [] if local_device_mb is None else all_gather_floats(local_device_mb)
 
 
 def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]:
     probe_cfg = dataclasses.replace(
         cfg.trainer, max_micro_steps=cfg.trainer.probe_steps, resume=False, checkpoint_every=0
     )
-    info, _, _, model, trainer = _setup(cfg, ctx, ctx.arm.probe_run_dir, probe_cfg)
+    meter = PhaseMeter(cfg.run.device)
+    info, _, _, model, trainer = _setup(cfg, ctx, ctx.arm.probe_run_dir, probe_cfg, meter)
     tokens_per_s: list[float] = []
-    trainer.fit(on_step=lambda m: tokens_per_s.append(m["tokens_per_s"]))
-    checkpoint_s = timed_save(trainer)
-    rss, device_peaks = job_peaks(local_device_peak_mb(info))
+    with meter.phase("train"):
+        trainer.fit(on_step=lambda m: tokens_per_s.append(m["tokens_per_s"]))
+        checkpoint_s = timed_save(trainer)
+    # The job's peak is its fullest phase's; every rank's device peak is the training one.
+    rss = meter.job_host_peak_mb()
+    device_peaks = rank_device_peaks(local_device_peak_mb(info))
     projected = ctx.projection.device_allocated_mb
     figures = probe_figures(
         trainer.state.step_times,
@@ -108,6 +113,7 @@ def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInf
         "checkpoint_s": checkpoint_s,
         "training_path": path.as_dict(),
         **placed,
+        "phases": meter.report(ctx.projection.figures),
     }, info
 
 
@@ -258,9 +264,17 @@ def run_record(cfg: ArmConfig) -> dict[str, Any]:
     return {"lr": cfg.optimizer.lr, "beta": cfg.dpo.beta, "rpo_alpha": cfg.dpo.rpo_alpha}
 
 
-def _train_once(cfg: ArmConfig, ctx: GateContext, run_dir: Path, name: str) -> dict[str, Any]:
+def _train_once(
+    cfg: ArmConfig, ctx: GateContext, run_dir: Path, name: str, meter: PhaseMeter
+) -> dict[str, Any]:
     """One training run from the SFT checkpoint; the first alarm ends it."""
-    info, shards, refs, model, trainer = _setup(cfg, ctx, run_dir, cfg.trainer)
+    info, shards, refs, model, trainer = _setup(cfg, ctx, run_dir, cfg.trainer, meter)
+    with meter.phase("train"):
+        return _fit_with_wires(cfg, ctx, name, info, shards, refs, model, trainer)
+
+
+def _fit_with_wires(cfg, ctx, name, info, shards, refs, model, trainer) -> dict[str, Any]:
+    """The run's tripwires armed around its fit: the step-0 generation check, then every step."""
     schedule, band = None, None
     if cfg.tripwires.generation:
         schedule = GenerationSchedule.of(cfg, shards["held"], ctx.entry.pins)
@@ -394,16 +408,18 @@ def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]
     """Train the arm (on an alarm, rerun once from SFT with the pre-registered response),
     export the policy, then score it and the SFT policy on the held-out pairs."""
     trained = trained_before(cfg, ctx)
+    meter = PhaseMeter(cfg.run.device)
     with PhaseStops(ctx) as stops:
         if trained is None:
-            trained, final = train_and_export(cfg, ctx)
+            trained, final = train_and_export(cfg, ctx, meter)
             stops.stop_if_requested(EXPORT)
             info, model = final["info"], final["model"]
             held, ref_held = final["shards"]["held"], final["refs"]["held"]
             resumed = None
         else:
-            info, model, held, ref_held, resumed = reload_exported(cfg, ctx, trained)
-        held_out = evaluate(cfg, ctx, info, model, held, ref_held, stops)
+            info, model, held, ref_held, resumed = reload_exported(cfg, ctx, trained, meter)
+        with meter.phase("evaluate"):
+            held_out = evaluate(cfg, ctx, info, model, held, ref_held, stops)
     figures: dict[str, Any] = {
         "world_size": info.world_size,
         "precision": model.precision,
@@ -413,32 +429,37 @@ def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]
         "final_config": trained.final_config,
         "held_out": held_out,
         "generation": trained.generation,
+        # The probe projected the training loop's time (its steps, not generation checks).
+        "phases": meter.report(ctx.projection.figures, {"train": ctx.probe.projected_wall_s}),
     }
     if resumed is not None:
         figures["evaluation_resumed_after"] = resumed
     return {**figures, "tripwire": trained.tripwire}, info
 
 
-def train_and_export(cfg: ArmConfig, ctx: GateContext) -> tuple[Trained, dict[str, Any]]:
+def train_and_export(
+    cfg: ArmConfig, ctx: GateContext, meter: PhaseMeter
+) -> tuple[Trained, dict[str, Any]]:
     """The first run and, after an alarm, the rerun; the result run's policy exported and
     what training decided recorded beside it."""
     first_dir = ctx.arm.training_run_dir(FIRST_RUN)
     first = ended_first_run(cfg, first_dir)
     if first is None:
-        first = _train_once(cfg, ctx, first_dir, FIRST_RUN)
+        first = _train_once(cfg, ctx, first_dir, FIRST_RUN, meter)
         if first["alarms"]:
             record_ended_run(first, first_dir)
             del first["model"]  # the rerun starts again from SFT; one policy stays in memory
     runs, final, final_cfg, response = [first], first, cfg, None
     if first["alarms"]:
         final_cfg, response = with_response(cfg)
-        final = _train_once(final_cfg, ctx, ctx.arm.training_run_dir(RERUN), RERUN)
+        final = _train_once(final_cfg, ctx, ctx.arm.training_run_dir(RERUN), RERUN, meter)
         runs.append(final)
     info = final["info"]
     if info.is_main:
         print(f"align dpo: exporting the policy to {ctx.arm.policy_dir}", file=sys.stderr)
-    export_policy(final["model"], info, ctx.checkpoint, ctx.arm.policy_dir)
-    barrier()  # rank 0 writes the export; every rank reads its files below
+    with meter.phase("export"):
+        export_policy(final["model"], info, ctx.checkpoint, ctx.arm.policy_dir)
+        barrier()  # rank 0 writes the export; every rank reads its files below
     trained = Trained(
         banner=final["banner"] or first["banner"],
         training=final["summary"],
@@ -461,7 +482,7 @@ def trained_before(cfg: ArmConfig, ctx: GateContext) -> Trained | None:
     return Trained(**json.loads(path.read_text()))
 
 
-def reload_exported(cfg: ArmConfig, ctx: GateContext, trained: Trained):
+def reload_exported(cfg: ArmConfig, ctx: GateContext, trained: Trained, meter: PhaseMeter):
     """The exported policy and the held-out pairs, for a retry that evaluates only; the stop
     it follows is read from the marker, which it then clears."""
     info = start_session(ctx.arm.run_dir, cfg.run, cfg.batch)
@@ -476,7 +497,8 @@ def reload_exported(cfg: ArmConfig, ctx: GateContext, trained: Trained):
         marker.unlink(missing_ok=True)
         print(f"align dpo: training recorded; evaluating the exported {policy}", file=sys.stderr)
     held = PairShard(ctx.entry.shards["held"], cfg.batch.share_prompt)
-    model = load_policy(policy, cfg.model, info)
+    with meter.phase("load"):
+        model = load_policy(policy, cfg.model, info)
     return info, model, held, _ref(ctx.caches["held"], held), resumed
 
 

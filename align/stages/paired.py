@@ -26,6 +26,7 @@ from align.eval.preference import implicit_reward_correct, preference_correct, s
 from align.eval.stats import accuracy_summary
 from align.exit_codes import ConfigError
 from align.stages.select import SFT
+from align.train.phases import PhaseMeter
 from align.train.precision import describe as describe_precision
 from align.train.session import load_policy
 from align.utils.dist import DistInfo
@@ -209,13 +210,16 @@ def score_policy(
     prompts: list[list[int]],
     max_new_tokens: int,
     pins: dict[str, Any],
+    meter: PhaseMeter,
 ) -> PolicyScores:
     """Load one policy, score every pair of `shard` and generate on `prompts`, then free it."""
-    model = load_policy(checkpoint, model_cfg, info)
-    chosen, rejected = score_pairs(model, shard, batch_size, info, desc=f"score {checkpoint}")
-    generations = greedy_generate_batch(
-        model, prompts, max_new_tokens, pins["eos_id"], pins["pad_id"], info.device
-    )
+    with meter.phase("load"):
+        model = load_policy(checkpoint, model_cfg, info)
+    with meter.phase("evaluate"):
+        chosen, rejected = score_pairs(model, shard, batch_size, info, desc=f"score {checkpoint}")
+        generations = greedy_generate_batch(
+            model, prompts, max_new_tokens, pins["eos_id"], pins["pad_id"], info.device
+        )
     precision = model.precision
     del model
     gc.collect()

@@ -27,6 +27,7 @@ from align.config import ModelConfig, RefConfig, RunConfig
 from align.data.loader import PairShard
 from align.eval.preference import score_blocks, score_pairs
 from align.exit_codes import AlignError
+from align.train.phases import PhaseMeter
 from align.train.ref_cache import (
     PART_SUFFIX,
     forward_impl_name,
@@ -223,20 +224,25 @@ def precompute_ref_caches(
     cfg: RefConfig,
     run: RunConfig,
     run_dir: Path,
+    projection: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], DistInfo]:
-    """Build one cache per (shard, out, key) job with one loaded model; returns per-cache figures."""
+    """Build one cache per (shard, out, key) job with one loaded model; returns per-cache
+    figures and the phases' measures."""
     info = start_session(run_dir, run, None)
+    meter = PhaseMeter(info.device.type)
     reference = ModelConfig(dtype=cfg.dtype, attn_implementation=cfg.attn_implementation)
-    model = load_policy(checkpoint, reference, info)
+    with meter.phase("load"):
+        model = load_policy(checkpoint, reference, info)
     for _, out, key in jobs:
         _check_key_names_live_path(key, model, cfg, out)
-    figures = {
-        out.stem: precompute_ref_cache(
-            model, PairShard(shard_path, cfg.share_prompt), out, key, cfg, info
-        )
-        for shard_path, out, key in jobs
-    }
-    return figures, info
+    with meter.phase("evaluate"):
+        figures = {
+            out.stem: precompute_ref_cache(
+                model, PairShard(shard_path, cfg.share_prompt), out, key, cfg, info
+            )
+            for shard_path, out, key in jobs
+        }
+    return {**figures, "phases": meter.report(projection)}, info
 
 
 def _check_key_names_live_path(key: dict[str, str], model, cfg: RefConfig, out: Path) -> None:
@@ -253,7 +259,13 @@ def _check_key_names_live_path(key: dict[str, str], model, cfg: RefConfig, out: 
 
 
 def run_path_bias(
-    cfg, checkpoint: str, shard_path: str, cache: Path, key: dict[str, str], run_dir: Path
+    cfg,
+    checkpoint: str,
+    shard_path: str,
+    cache: Path,
+    key: dict[str, str],
+    run_dir: Path,
+    projection: dict[str, Any] | None = None,
 ):
     """Score the pre-registered sample through the training path; compare with the cache."""
     from align.train.path_bias import (
@@ -265,15 +277,19 @@ def run_path_bias(
     from align.train.ref_cache import load_ref_cache
 
     info = start_session(run_dir, cfg.run, cfg.batch)
-    model = load_policy(checkpoint, cfg.model, info, cfg.trainer)
+    meter = PhaseMeter(info.device.type)
+    with meter.phase("load"):
+        model = load_policy(checkpoint, cfg.model, info, cfg.trainer)
     shard = PairShard(shard_path, cfg.batch.share_prompt)
     ref_chosen, ref_rejected = load_ref_cache(cache, key, shard.pair_ids)
     rows = sample_rows(len(shard), cfg.path_bias.sample_pairs, cfg.path_bias.seed)
-    chosen, rejected = score_pairs(
-        model, shard, cfg.batch.micro_batch, info, desc="path bias", rows=rows
-    )
+    with meter.phase("evaluate"):
+        chosen, rejected = score_pairs(
+            model, shard, cfg.batch.micro_batch, info, desc="path bias", rows=rows
+        )
     errors = margin_errors(chosen, rejected, ref_chosen[rows], ref_rejected[rows])
     training = TrainingPath.of_model(model, cfg.batch.micro_batch, shard.share_prompt)
     settings = dataclasses.asdict(cfg.path_bias)
     figures = path_bias_figures(errors, settings, key["forward_impl"], training)
-    return {**figures, "precision": model.precision, "devices": list(info.devices)}, info
+    placed = {"precision": model.precision, "devices": list(info.devices)}
+    return {**figures, **placed, "phases": meter.report(projection)}, info

@@ -18,15 +18,20 @@ from align.eval.nll import mean_nll
 from align.model.tokenizer import load_tokenizer
 from align.paths import RunPaths
 from align.train.adapters import SftAdapter
+from align.train.phases import PhaseMeter
 from align.train.session import build_trainer, export_policy, load_policy, start_session
 
 
-def run_sft(cfg: SftConfig, paths: RunPaths) -> dict[str, Any]:
+def run_sft(
+    cfg: SftConfig, paths: RunPaths, projection: dict[str, Any] | None = None
+) -> dict[str, Any]:
     info = start_session(paths.sft_run_dir, cfg.run, cfg.batch)
+    meter = PhaseMeter(info.device.type)
     tokenizer = load_tokenizer(cfg.run.base_model)
     arrays = tokenize_sft_splits(cfg.data, tokenizer)
     train, held = SftShard(arrays["train"]), SftShard(arrays["held"])
-    model = load_policy(cfg.run.base_model, cfg.model, info, cfg.trainer)
+    with meter.phase("load"):
+        model = load_policy(cfg.run.base_model, cfg.model, info, cfg.trainer)
     trainer = build_trainer(
         model,
         train,
@@ -38,34 +43,45 @@ def run_sft(cfg: SftConfig, paths: RunPaths) -> dict[str, Any]:
         stage="sft",
         info=info,
     )
-    summary = trainer.fit()
-    export_policy(model, info, cfg.run.base_model, paths.sft_checkpoint)
+    with meter.phase("train"):
+        summary = trainer.fit()
+    del trainer  # its optimizer state; export and evaluation need only the model
+    with meter.phase("export"):
+        export_policy(model, info, cfg.run.base_model, paths.sft_checkpoint)
+    with meter.phase("evaluate"):
+        held_nll = mean_nll(model, held, cfg.eval.batch_size, info)
     return {
         "world_size": info.world_size,
         "train_rows": len(train),
         "held_rows": len(held),
         "training": summary,
-        "held_nll": mean_nll(model, held, cfg.eval.batch_size, info),
+        "held_nll": held_nll,
         "precision": model.precision,
         "devices": list(info.devices),
+        "phases": meter.report(projection),
     }, info
 
 
-def evaluate_sft_gate(cfg: SftConfig, checkpoint: Path, run_dir: Path) -> dict[str, Any]:
+def evaluate_sft_gate(
+    cfg: SftConfig, checkpoint: Path, run_dir: Path, projection: dict[str, Any]
+) -> dict[str, Any]:
     """Held-out NLL and greedy-generation sanity of `checkpoint`, with pass/fail per check."""
     info = start_session(run_dir, cfg.run, None)
+    meter = PhaseMeter(info.device.type)
     tokenizer = load_tokenizer(checkpoint)
     held = SftShard(tokenize_sft_splits(cfg.data, tokenizer)["held"])
-    model = load_policy(checkpoint, cfg.model, info)
-    nll = mean_nll(model, held, cfg.eval.batch_size, info)
+    with meter.phase("load"):
+        model = load_policy(checkpoint, cfg.model, info)
     a = held.arrays
     prompts = [
         a["ids"][row, : a["prompt_len"][row]].tolist()
         for row in range(min(cfg.gate.generation_prompts, len(held)))
     ]
-    decoded = greedy_generate_batch(
-        model, prompts, cfg.gate.max_new_tokens, tokenizer.eos_id, tokenizer.pad_id, info.device
-    )
+    with meter.phase("evaluate"):
+        nll = mean_nll(model, held, cfg.eval.batch_size, info)
+        decoded = greedy_generate_batch(
+            model, prompts, cfg.gate.max_new_tokens, tokenizer.eos_id, tokenizer.pad_id, info.device
+        )
     generations = [
         {
             "prompt": tokenizer.decode(prompt),
@@ -95,4 +111,5 @@ def evaluate_sft_gate(cfg: SftConfig, checkpoint: Path, run_dir: Path) -> dict[s
         "passed": all(c["passed"] for c in checks.values()),
         "precision": model.precision,
         "devices": list(info.devices),
+        "phases": meter.report(projection),
     }

@@ -52,6 +52,9 @@ class CheckpointManager:
         self.root = checkpoints_in(run_dir)
         self.info = info
         self.keep = keep
+        # Seconds of each save and load on this rank, the figures a receipt reports.
+        self.save_s: list[float] = []
+        self.load_s: list[float] = []
 
     def valid(self) -> list[Checkpoint]:
         """Complete checkpoints, oldest first; torn ones are reported and skipped."""
@@ -91,6 +94,7 @@ class CheckpointManager:
         rank_state: dict[str, Any] | None = None,
     ) -> Checkpoint:
         """Every rank writes its shards, its RNG state and `rank_state` (if any)."""
+        started = time.perf_counter()
         final = self.root / f"micro_{micro_step:08d}"
         partial = final.with_name(final.name + ".partial")
         if self.info.is_main:
@@ -108,6 +112,7 @@ class CheckpointManager:
         if self.info.is_main:
             self._mark_complete(partial, final, micro_step)
         barrier()
+        self.save_s.append(time.perf_counter() - started)
         self.prune()
         return Checkpoint(final, micro_step)
 
@@ -128,6 +133,7 @@ class CheckpointManager:
 
     def load(self, checkpoint: Checkpoint, model, optimizer) -> dict[str, Any]:
         """Restore model, optimizer and this rank's RNG; return the trainer state."""
+        started = time.perf_counter()
         state = read_json(checkpoint.path / TRAINER_STATE)
         if state["world_size"] != self.info.world_size:
             raise ValueError(
@@ -137,6 +143,7 @@ class CheckpointManager:
         dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=str(checkpoint.path))
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
         _set_rng_state(load_file(str(checkpoint.path / _rng_file(self.info.rank))))
+        self.load_s.append(time.perf_counter() - started)
         return state
 
     def load_rank_state(self, checkpoint: Checkpoint) -> dict[str, Any]:

@@ -32,6 +32,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAMW8BIT_BLOCK = 256
 # Positions per chunk of the fused loss head (align.losses.fused.DEFAULT_CHUNK_SIZE).
 LOSS_CHUNK = 1024
+# float32 [chunk, vocab] tensors alive at once in the fused head: logits, their log-softmax
+# and, in backward, its gradient.
+LOSS_HEAD_COPIES = 3
 
 
 def parameter_count(config: MistralConfig) -> dict[str, int]:
@@ -80,25 +83,34 @@ def micro_batch_tokens(cfg: ArmConfig) -> tuple[int, int]:
     return 2 * cfg.batch.micro_batch, cfg.data.seq_len
 
 
-def device_activation_terms(cfg: ArmConfig, config: MistralConfig) -> dict[str, float]:
-    """Activations of one micro-batch on the device, in bytes, and the attention mask bias.
+def kept_activation_bytes(
+    config: MistralConfig, rows: int, length: int, compute_bytes: int, checkpointing: bool
+) -> float:
+    """Activations one training forward of rows x length keeps for backward, in bytes.
 
     A padded batch gives SDPA a boolean mask that it turns into a compute-dtype bias per
     layer call, and keeps for backward. Activation checkpointing keeps each layer's input
     and recomputes one layer's activations at a time in backward.
     """
-    c = DTYPE_BYTES[cfg.model.dtype]
-    rows, length = micro_batch_tokens(cfg)
+    c = compute_bytes
     tokens = rows * length
     per_layer = activation_bytes_per_token_layer(config, c) * tokens
     mask = rows * length * length * c
     layers = config.num_hidden_layers
-    if cfg.trainer.activation_checkpointing:
+    if checkpointing:
         kept = layers * tokens * config.hidden_size * c + per_layer + mask
     else:
         kept = layers * (per_layer + mask)
     final_hidden = tokens * config.hidden_size * c
-    return {"activations": kept + final_hidden}
+    return kept + final_hidden
+
+
+def device_activation_terms(cfg: ArmConfig, config: MistralConfig) -> dict[str, float]:
+    """Activations of one micro-batch on the device, in bytes."""
+    rows, length = micro_batch_tokens(cfg)
+    c = DTYPE_BYTES[cfg.model.dtype]
+    checkpointing = cfg.trainer.activation_checkpointing
+    return {"activations": kept_activation_bytes(config, rows, length, c, checkpointing)}
 
 
 def loss_head_bytes(cfg: ArmConfig, config: MistralConfig) -> float:
@@ -111,7 +123,13 @@ def loss_head_bytes(cfg: ArmConfig, config: MistralConfig) -> float:
 
 
 def projected_device_memory(cfg: ArmConfig, checkpoint: str | Path) -> dict[str, Any]:
-    """Projected peak memory of one GPU of the job, by term, in MiB."""
+    """Projected peak memory of one GPU of the DPO job, by phase and term, in MiB.
+
+    Training is its largest phase as a rule; evaluation after it holds the SFT policy's
+    shard beside the trained one and scores 2 x eval.batch_size rows without autograd.
+    `terms_mb` and `allocated_mb` are training's, what the probe measures; `total_mb`
+    is the largest phase's, what the device must hold.
+    """
     config = _device_projection_config(Path(checkpoint))
     counts = parameter_count(config)
     m, c, r = (
@@ -120,7 +138,8 @@ def projected_device_memory(cfg: ArmConfig, checkpoint: str | Path) -> dict[str,
     shard = counts["total"] / cfg.batch.world_size
     # FSDP casts a gathered layer's gradients to the reduce dtype before reduce-scatter.
     reduce_copy = r if r != c else 0
-    terms = {
+    context = cfg.preflight.cuda_context_mb * MIB
+    train = {
         "master_weights": shard * m,
         "gradients": shard * m,
         "optimizer_state": shard
@@ -132,10 +151,24 @@ def projected_device_memory(cfg: ArmConfig, checkpoint: str | Path) -> dict[str,
         "gathered_root": counts["root"] * (2 * c + reduce_copy),
         **device_activation_terms(cfg, config),
         "loss_head": loss_head_bytes(cfg, config),
-        "cuda_context": cfg.preflight.cuda_context_mb * MIB,
+        "cuda_context": context,
     }
-    terms_mb = {name: value / MIB for name, value in terms.items()}
-    total = sum(terms_mb.values())
+    evaluate = {
+        "master_weights": shard * m,
+        "second_policy": shard * m,
+        "gathered_layers": 2 * counts["layer"] * c,
+        "gathered_root": counts["root"] * c,
+        "activations": scoring_activation_bytes(
+            config, 2 * cfg.eval.batch_size, cfg.data.seq_len, c
+        ),
+        "loss_head": loss_head_bytes(cfg, config),
+        "cuda_context": context,
+    }
+    phases = {}
+    for name, terms in (("train", train), ("evaluate", evaluate)):
+        terms_mb = {term: value / MIB for term, value in terms.items()}
+        phases[name] = {"terms_mb": terms_mb, "total_mb": sum(terms_mb.values())}
+    train_mb = phases["train"]["terms_mb"]
     return {
         "optimizer": cfg.optimizer.name,
         "precision": {
@@ -145,10 +178,12 @@ def projected_device_memory(cfg: ArmConfig, checkpoint: str | Path) -> dict[str,
         },
         "world_size": cfg.batch.world_size,
         "activation_checkpointing": cfg.trainer.activation_checkpointing,
-        "terms_mb": terms_mb,
-        "total_mb": total,
-        # What torch's allocator should see (max_memory_allocated): all but the context.
-        "allocated_mb": total - terms_mb["cuda_context"],
+        "phases": phases,
+        "terms_mb": train_mb,
+        "total_mb": max(phase["total_mb"] for phase in phases.values()),
+        # What torch's allocator should see in training (max_memory_allocated): all but
+        # the context.
+        "allocated_mb": phases["train"]["total_mb"] - train_mb["cuda_context"],
     }
 
 
@@ -186,10 +221,12 @@ def check_device_projection(
     """Refuse (exit 6) a per-GPU projection over `device_memory_fraction` of the device."""
     budget = preflight.device_memory_fraction * device_mb
     if projection["total_mb"] > budget:
-        terms = ", ".join(f"{k} {v:.0f}" for k, v in projection["terms_mb"].items())
+        phases = projection["phases"]
+        phase = max(phases, key=lambda name: phases[name]["total_mb"])
+        terms = ", ".join(f"{k} {v:.0f}" for k, v in phases[phase]["terms_mb"].items())
         raise PreflightRefused(
-            f"projected device memory {projection['total_mb']:.0f} MiB per GPU for optimizer "
-            f"{projection['optimizer']} ({projection['precision']}) exceeds "
+            f"projected device memory {projection['total_mb']:.0f} MiB per GPU in {phase} for "
+            f"optimizer {projection['optimizer']} ({projection['precision']}) exceeds "
             f"{preflight.device_memory_fraction:.0%} of {device_mb:.0f} MiB ({source}): {terms} MiB"
         )
     return {"device_mb": device_mb, "device_source": source, "device_budget_mb": budget}
@@ -197,22 +234,33 @@ def check_device_projection(
 
 @dataclass(frozen=True)
 class StageLoad:
-    """What a stage holds: policies at once (DPO scores the SFT policy beside the trained
-    one), whether it trains (gradients, optimizer state), whether rank 0 exports at the end."""
+    """What a stage does with its model, phase by phase: whether it trains (gradients,
+    optimizer state, activations kept for backward), exports (rank 0 gathers the whole
+    state), scores a second policy beside the first when it evaluates (DPO scores the SFT
+    policy beside the trained one), and generates (a KV cache)."""
 
-    models: int
-    trains: bool
-    exports: bool
+    phases: tuple[str, ...]
+    second_policy: bool = False
+    generates: bool = False
+
+    @property
+    def trains(self) -> bool:
+        return "train" in self.phases
+
+    @property
+    def exports(self) -> bool:
+        return "export" in self.phases
 
 
 STAGE_LOADS = {
-    "sft": StageLoad(1, True, True),
-    "dpo": StageLoad(2, True, True),
-    "probe": StageLoad(1, True, False),
-    "sft_gate": StageLoad(1, False, False),
-    "ref_cache": StageLoad(1, False, False),
-    "path_bias": StageLoad(1, False, False),
-    "select_arms": StageLoad(1, False, False),
+    "sft": StageLoad(("load", "train", "export", "evaluate")),
+    # The generation check runs between training steps, so its cache is a training term.
+    "dpo": StageLoad(("load", "train", "export", "evaluate"), second_policy=True, generates=True),
+    "probe": StageLoad(("load", "train")),
+    "sft_gate": StageLoad(("load", "evaluate"), generates=True),
+    "ref_cache": StageLoad(("load", "evaluate")),
+    "path_bias": StageLoad(("load", "evaluate")),
+    "select_arms": StageLoad(("load", "evaluate"), generates=True),
 }
 
 
@@ -226,33 +274,65 @@ class JobShape:
     device: str
     model: ModelConfig
     optimizer: str
-    rows: int  # rows of one forward
-    seq_len: int  # 0: as long as the model's positions (no pre-registered seq_len)
+    rows: int  # rows of one training forward (a training stage) or one scoring forward
+    eval_rows: int  # rows of one held-out scoring forward after training
+    seq_len: int
+    activation_checkpointing: bool
+    generation_rows: int  # prompts generated at once
+    generation_tokens: int  # tokens each of them adds
     preflight: PreflightConfig
 
 
-def job_shape(stage: str, cfg: Any, nodes: int = 1) -> JobShape:
-    """The shape of `stage` under its pre-registration (arm, SFT or selection config)."""
+def job_shape(stage: str, cfg: Any, nodes: int = 1, seq_len: int = 0) -> JobShape:
+    """The shape of `stage` under its pre-registration (arm, SFT or selection config);
+    `seq_len` for a config that names none (selection scores the arms' rows)."""
     batch = getattr(cfg, "batch", None)
     data = getattr(cfg, "data", None)
-    trains = STAGE_LOADS[stage].trains
-    if trains:
-        rows = 2 * batch.micro_batch
+    load = STAGE_LOADS[stage]
+    pairs = stage not in ("sft", "sft_gate")  # SFT rows are single sequences
+    per_item = 2 if pairs else 1
+    eval_rows = per_item * cfg.eval.batch_size
+    if load.trains:
+        rows = per_item * batch.micro_batch
     elif stage == "ref_cache":
         rows = 2 * cfg.ref.batch_size
+    elif stage == "path_bias":
+        rows = 2 * batch.micro_batch
     else:
-        rows = 2 * cfg.eval.batch_size
+        rows = eval_rows
     world = batch.world_size if batch is not None and stage not in SINGLE_PROCESS else 1
+    prompts, new_tokens = generation_of(stage, cfg) if load.generates else (0, 0)
     return JobShape(
         stage=stage,
         world=world,
         nodes=nodes,
         device=cfg.run.device,
         model=cfg.model,
-        optimizer=cfg.optimizer.name if trains else "",
+        optimizer=cfg.optimizer.name if load.trains else "",
         rows=rows,
-        seq_len=data.seq_len if data is not None else 0,
+        eval_rows=eval_rows,
+        seq_len=seq_len or data.seq_len,
+        activation_checkpointing=load.trains and cfg.trainer.activation_checkpointing,
+        generation_rows=prompts,
+        generation_tokens=new_tokens,
         preflight=getattr(cfg, "preflight", PreflightConfig()),
+    )
+
+
+def selection_seq_len(arm_cfgs: list[Any]) -> int:
+    """The longest row selection scores: its eval set holds the arms' held-out rows."""
+    return max(arm.data.seq_len for arm in arm_cfgs)
+
+
+def generation_of(stage: str, cfg: Any) -> tuple[int, int]:
+    """(prompts, new tokens) of the stage's greedy generations."""
+    if stage == "sft_gate":
+        return cfg.gate.generation_prompts, cfg.gate.max_new_tokens
+    if stage == "select_arms":
+        return cfg.generation.prompts, cfg.generation.max_new_tokens
+    wires = cfg.tripwires
+    return (
+        (wires.generation_prompts, wires.generation_max_new_tokens) if wires.generation else (0, 0)
     )
 
 
@@ -261,53 +341,101 @@ SINGLE_PROCESS = ("sft_gate", "select_arms")
 
 
 def projected_job_rss(shape: JobShape, checkpoint: str | Path, shard_bytes: int) -> dict[str, Any]:
-    """Projected peak RSS of the whole job and of its fullest node, by term, in MiB.
+    """Projected peak RSS of the whole job and of its fullest node, phase by phase, in MiB.
 
-    Steady terms are held by every rank for the whole stage; rank 0 adds, at different
-    times, its staging copy of the checkpoint during each load and, for a stage that
-    exports, the consolidated state it gathers: the larger of the two counts.
+    Every rank holds the phase's steady terms; rank 0 adds its staging copy of the
+    checkpoint while a policy loads and, in export, the consolidated state it gathers.
+    The job's peak is its fullest phase's; `terms_mb` is each term at its largest.
     """
     verified = verify_checkpoint(checkpoint)
-    config = verified.config
-    counts = parameter_count(config)
-    load = STAGE_LOADS[shape.stage]
-    master, compute = DTYPE_BYTES[shape.model.master_dtype], DTYPE_BYTES[shape.model.dtype]
-    on_cpu = shape.device == "cpu"
-    sharded = counts["total"] / shape.world
-    per_rank = {
-        "weights": load.models * sharded * master if on_cpu else 0.0,
-        "grads": sharded * master if on_cpu and load.trains else 0.0,
-        "optimizer_state": (
-            sharded * optimizer_state_bytes(shape.optimizer, shape.model.master_dtype)
-            if on_cpu and load.trains
-            else 0.0
-        ),
-        "gathered_layer": 2 * counts["layer"] * compute if on_cpu else 0.0,
-        "activations": _cpu_activations(shape, load, config) if on_cpu else 0.0,
-        "data_shards": float(shard_bytes),
-        "runtime": rank_overhead_mb(shape.preflight, shape.device) * MIB,
-    }
-    steady = {name: shape.world * value / MIB for name, value in per_rank.items()}
-    # Rank 0 reads the whole checkpoint in its stored dtype, then casts it to the master dtype.
-    stored = verified.stored_bytes
-    full_master = counts["total"] * master
-    transient = {
-        "load_staging_rank0": (stored + (full_master if stored != full_master else 0)) / MIB
-    }
-    if load.exports:
-        transient["export_gather_rank0"] = full_master / MIB
-    peak_transient = max(transient.values())
+    phases = {}
+    for phase, terms in phase_terms(shape, verified, shard_bytes).items():
+        per_job = {name: value / MIB for name, value in terms.items()}
+        rank0 = sum(v for name, v in per_job.items() if name.endswith("_rank0"))
+        steady = sum(per_job.values()) - rank0
+        phases[phase] = {
+            "terms_mb": per_job,
+            "total_mb": steady + rank0,
+            # Rank 0's node: its share of the steady terms and rank 0's own.
+            "node_mb": steady / shape.nodes + rank0,
+        }
+    peak = max(phases, key=lambda name: phases[name]["node_mb"])
+    largest: dict[str, float] = {}
+    for phase in phases.values():
+        for name, value in phase["terms_mb"].items():
+            largest[name] = max(largest.get(name, 0.0), value)
     return {
         "stage": shape.stage,
         "optimizer": shape.optimizer or None,
         "world_size": shape.world,
         "nodes": shape.nodes,
-        "parameters": counts["total"],
-        "terms_mb": {**steady, **transient},
-        "total_mb": sum(steady.values()) + peak_transient,
-        # Rank 0's node: its share of the steady terms and rank 0's transient.
-        "node_mb": sum(steady.values()) / shape.nodes + peak_transient,
+        "parameters": parameter_count(verified.config)["total"],
+        "phases": phases,
+        "peak_phase": peak,
+        "terms_mb": largest,
+        "total_mb": max(p["total_mb"] for p in phases.values()),
+        "node_mb": phases[peak]["node_mb"],
     }
+
+
+def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[str, float]]:
+    """Bytes of every term of every phase of the stage, summed over the job's ranks."""
+    config = verified.config
+    counts = parameter_count(config)
+    load = STAGE_LOADS[shape.stage]
+    master, compute = DTYPE_BYTES[shape.model.master_dtype], DTYPE_BYTES[shape.model.dtype]
+    world, on_cpu = shape.world, shape.device == "cpu"
+    # A policy's sharded master weights live in host memory only on a CPU rank.
+    weights = counts["total"] * master if on_cpu else 0.0
+    common = {
+        "weights": weights,
+        "data_shards": world * float(shard_bytes),
+        "runtime": world * rank_overhead_mb(shape.preflight, shape.device) * MIB,
+        # One launcher per node runs the ranks of a multi-rank stage.
+        "launcher": (
+            0.0
+            if shape.stage in SINGLE_PROCESS
+            else shape.nodes * shape.preflight.launcher_overhead_mb * MIB
+        ),
+    }
+    # Rank 0 reads the whole checkpoint in its stored dtype, then casts it to the master dtype.
+    stored, full_master = verified.stored_bytes, counts["total"] * master
+    staging = stored + (full_master if stored != full_master else 0)
+    phases = {"load": {**common, "load_staging_rank0": staging}}
+    if load.trains:
+        training = {
+            "grads": weights,
+            "optimizer_state": (
+                counts["total"] * optimizer_state_bytes(shape.optimizer, shape.model.master_dtype)
+                if on_cpu
+                else 0.0
+            ),
+        }
+        phases["train"] = {
+            **common,
+            **training,
+            "gathered_layers": world * 2 * counts["layer"] * compute if on_cpu else 0.0,
+            "activations": world * cpu_training_activations(shape, config) if on_cpu else 0.0,
+            "kv_cache": world * kv_cache_bytes(shape, config) if on_cpu else 0.0,
+        }
+    if load.exports:
+        phases["export"] = {**common, "export_gather_rank0": full_master}
+    rows = shape.eval_rows if load.trains else shape.rows
+    scoring = world * cpu_scoring_activations(shape, config, rows) if on_cpu else 0.0
+    if load.second_policy:
+        phases["evaluate"] = {
+            **common,
+            "second_policy": weights,
+            "load_staging_rank0": staging,
+            "activations": scoring,
+        }
+    elif "evaluate" in load.phases:
+        phases["evaluate"] = {
+            **common,
+            "activations": scoring,
+            "kv_cache": world * kv_cache_bytes(shape, config) if on_cpu else 0.0,
+        }
+    return {name: phases[name] for name in load.phases}
 
 
 def rank_overhead_mb(preflight: PreflightConfig, device: str) -> float:
@@ -315,13 +443,43 @@ def rank_overhead_mb(preflight: PreflightConfig, device: str) -> float:
     return preflight.cuda_rank_overhead_mb if device == "cuda" else preflight.cpu_rank_overhead_mb
 
 
-def _cpu_activations(shape: JobShape, load: StageLoad, config: MistralConfig) -> float:
-    """Activations of one forward's rows on the CPU, plus its logits: every layer's, kept
-    for backward, when the stage trains; one layer's at a time when it only scores."""
-    tokens = shape.rows * (shape.seq_len or config.max_position_embeddings)
-    per_layer = shape.preflight.activation_factor * tokens * config.hidden_size * 4
-    logits = 3 * tokens * config.vocab_size * 4
-    return (config.num_hidden_layers if load.trains else 1) * per_layer + logits
+def cpu_training_activations(shape: JobShape, config: MistralConfig) -> float:
+    """What one rank's training forward keeps for backward, and the fused loss head's chunk."""
+    c = DTYPE_BYTES[shape.model.dtype]
+    kept = kept_activation_bytes(
+        config, shape.rows, shape.seq_len, c, shape.activation_checkpointing
+    )
+    return kept + LOSS_HEAD_COPIES * LOSS_CHUNK * config.vocab_size * 4
+
+
+def cpu_scoring_activations(shape: JobShape, config: MistralConfig, rows: int) -> float:
+    """One rank's scoring forward, and the fused loss head's chunk."""
+    c = DTYPE_BYTES[shape.model.dtype]
+    scoring = scoring_activation_bytes(config, rows, shape.seq_len, c)
+    return scoring + LOSS_HEAD_COPIES * LOSS_CHUNK * config.vocab_size * 4
+
+
+def scoring_activation_bytes(
+    config: MistralConfig, rows: int, length: int, compute_bytes: int
+) -> float:
+    """A forward without autograd frees each tensor once the next is computed: its peak is
+    the residual stream and its normed copy, the mask bias, and the larger of attention's
+    q, k, v and output or the MLP's gate, up and activated gate."""
+    c = compute_bytes
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    per_token = 2 * config.hidden_size * c + max(
+        (2 * q + 2 * kv) * c, 3 * config.intermediate_size * c
+    )
+    return rows * length * per_token + rows * length * length * c
+
+
+def kv_cache_bytes(shape: JobShape, config: MistralConfig) -> float:
+    """Keys and values of every layer for each generated prompt at its longest."""
+    c = DTYPE_BYTES[shape.model.dtype]
+    positions = shape.seq_len + shape.generation_tokens
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * c
+    return shape.generation_rows * positions * per_token
 
 
 def host_available_mb() -> float:
@@ -367,12 +525,12 @@ def check_projection(
 
 
 def check_stage_rss(
-    stage: str, cfg: Any, checkpoint: str | Path, shard_bytes: int = 0
+    stage: str, cfg: Any, checkpoint: str | Path, shard_bytes: int = 0, seq_len: int = 0
 ) -> dict[str, Any]:
     """The stage's projected RSS (from the checkpoint's verified config and header sizes)
     judged against its node before any model is built: refused (exit 6) when over
     `preflight.host_memory_fraction` of it; the projection with the verdict otherwise."""
-    shape = job_shape(stage, cfg, stage_nodes(stage, cfg))
+    shape = job_shape(stage, cfg, stage_nodes(stage, cfg), seq_len)
     projection = projected_job_rss(shape, checkpoint, shard_bytes)
     fraction = shape.preflight.host_memory_fraction
     projection.update(check_projection(projection, fraction, *node_memory(cfg.run)))

@@ -310,6 +310,8 @@ class Trainer:
             "skipped_steps": self.state.skipped_steps,
             "resumed_from": self.resumed_from,
             "resumed_after": self.resumed_after,
+            "checkpoint_save_s": [round(s, 3) for s in self.checkpoints.save_s],
+            "checkpoint_load_s": [round(s, 3) for s in self.checkpoints.load_s],
             "final": self.last_metrics,
         }
 

@@ -19,7 +19,9 @@ from align.utils.guard import apply_resource_guards
 from align.utils.weights_hash import file_tensors_hash
 
 
-def build_caches(loaded, checkpoint: Path, entry: ArmEntry, paths: RunPaths, stage: Stage) -> None:
+def build_caches(
+    loaded, checkpoint: Path, entry: ArmEntry, paths: RunPaths, stage: Stage, projection
+) -> None:
     from align.stages.ref_precompute import precompute_ref_caches
 
     cfg = loaded.cfg
@@ -33,8 +35,9 @@ def build_caches(loaded, checkpoint: Path, entry: ArmEntry, paths: RunPaths, sta
         )
         jobs.append((shard, arm.ref_cache(forward_impl, split), key))
     figures, info = precompute_ref_caches(
-        checkpoint, jobs, cfg.ref, cfg.run, arm.ref_dir(forward_impl)
+        checkpoint, jobs, cfg.ref, cfg.run, arm.ref_dir(forward_impl), projection
     )
+    phases = figures.pop("phases")
     if info.is_main:
         for split, f in figures.items():
             rate = f"{f['tokens_per_s']:.0f} tokens/s" if f["tokens_per_s"] else "nothing computed"
@@ -59,6 +62,7 @@ def build_caches(loaded, checkpoint: Path, entry: ArmEntry, paths: RunPaths, sta
             inputs={paths.recorded(checkpoint): jobs[0][2]["checkpoint_weights"]},
             outputs={cache["path"]: cache["hash"] for cache in caches.values()},
             figures=figures,
+            phases=phases,
             forward_impl=forward_impl,
             caches=caches,
         )
@@ -66,7 +70,7 @@ def build_caches(loaded, checkpoint: Path, entry: ArmEntry, paths: RunPaths, sta
 
 
 def measure_path_bias(
-    loaded, checkpoint: Path, entry: ArmEntry, paths: RunPaths, stage: Stage
+    loaded, checkpoint: Path, entry: ArmEntry, paths: RunPaths, stage: Stage, projection
 ) -> None:
     from align.stages.ref_precompute import run_path_bias
     from align.train.path_bias import table
@@ -79,7 +83,8 @@ def measure_path_bias(
         checkpoint, shard, cfg.data.seq_len, cfg.data.truncation, cfg.ref.dtype, cache_impl
     )
     cache = arm.ref_cache(cache_impl, "train")
-    figures, info = run_path_bias(cfg, checkpoint, shard, cache, key, arm.run_dir)
+    figures, info = run_path_bias(cfg, checkpoint, shard, cache, key, arm.run_dir, projection)
+    phases = figures.pop("phases")
     if info.is_main:
         print(f"align path_bias: arm {cfg.arm}\n{table(figures)}", file=sys.stderr)
         receipt = stage.receipt(
@@ -87,6 +92,7 @@ def measure_path_bias(
             PASSED,
             inputs={paths.recorded(cache): hash_file(cache)},
             figures=figures,
+            phases=phases,
             checkpoint=paths.recorded(checkpoint),
         )
         stage.write(arm.path_bias, receipt)
@@ -101,11 +107,12 @@ def main() -> None:
     checkpoint = gates.sft_gate(paths).checkpoint
     entry = gates.manifest_entry(paths, cfg, checkpoint)
     apply_resource_guards(cfg.run, mode, [cfg.run.results_dir])
-    check_stage_rss(mode, cfg, checkpoint, sum(entry.shards[s].stat().st_size for s in SPLITS))
+    shard_bytes = sum(entry.shards[s].stat().st_size for s in SPLITS)
+    projection = check_stage_rss(mode, cfg, checkpoint, shard_bytes)
     from align.utils.dist import destroy_distributed
 
     run = measure_path_bias if mode == "path_bias" else build_caches
-    run(loaded, checkpoint, entry, paths, stage)
+    run(loaded, checkpoint, entry, paths, stage, projection)
     destroy_distributed()
 
 

@@ -19,21 +19,23 @@ from align.receipts import FAILED, PASSED, hash_file
 from align.stages import gates
 from align.stages import select as sel
 from align.stages.entry import Stage, parse_stage_args
-from align.train.memory import check_stage_rss
+from align.train.memory import check_stage_rss, selection_seq_len
 from align.utils.guard import configure_cpu
 
 
-def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, policies):
+def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, policies, projection):
     """Build the common eval set, score the SFT policy and every arm policy on it."""
     from align.data.loader import PairShard
     from align.data.shards import PAIR_FORMAT, read_shard, write_shard
     from align.eval.generation import generation_prompts
     from align.eval.sanity import chosen_responses
     from align.stages import paired
+    from align.train.phases import PhaseMeter
     from align.train.session import start_session
 
     work = SelectionPaths.of(paths)
     info = start_session(work.run_dir, cfg.run, None)
+    meter = PhaseMeter(info.device.type)
     arrays, union = paired.union_pairs(
         {name: read_shard(src["path"]) for name, src in sources.items()}, pins["pad_id"]
     )
@@ -51,6 +53,7 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
             prompts,
             cfg.generation.max_new_tokens,
             pins,
+            meter,
         )
         if banner is None:
             # Policies as receipts name them: relative to the results directory inside it.
@@ -71,7 +74,7 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
         "chosen_responses": chosen_responses(arrays, pins["eos_id"]),
     }
     placed = {"precision": precision, "devices": list(info.devices), "banner": banner}
-    return {"eval_set": eval_set, **figures, **placed}
+    return {"eval_set": eval_set, **figures, **placed, "phases": meter.report(projection)}
 
 
 def main() -> None:
@@ -79,7 +82,8 @@ def main() -> None:
     selection_toml, *arm_tomls = args.configs
     loaded = load_config(selection_toml, SelectionConfig, args.overrides)
     cfg, paths = loaded.cfg, RunPaths.of_config(loaded.cfg)
-    arms = [load_config(path, ArmConfig).cfg.arm for path in arm_tomls]
+    arm_cfgs = [load_config(path, ArmConfig).cfg for path in arm_tomls]
+    arms = [arm.arm for arm in arm_cfgs]
     sel.check_selection_config(cfg, arms, str(selection_toml))
     stage = Stage("select_arms")
     gate_report = gates.GateReport()
@@ -131,11 +135,18 @@ def main() -> None:
     }
 
     configure_cpu(cfg.run)
-    for checkpoint in policies.values():
-        check_stage_rss("select_arms", cfg, checkpoint)
+    # One policy is loaded at a time: the largest one's projection is the job's.
+    projection = max(
+        (
+            check_stage_rss("select_arms", cfg, checkpoint, seq_len=selection_seq_len(arm_cfgs))
+            for checkpoint in policies.values()
+        ),
+        key=lambda p: p["total_mb"],
+    )
     from align.utils.dist import destroy_distributed
 
-    figures = score_everything(cfg, paths, sources, manifest["pins"], policies)
+    figures = score_everything(cfg, paths, sources, manifest["pins"], policies, projection)
+    phases = figures.pop("phases")
     band = sel.generation_band(cfg.generation.band, figures)
     standings = sel.judge_generations(standings, figures["policies"], band)
     figures["generation_band"] = band.as_dict()
@@ -161,6 +172,7 @@ def main() -> None:
         inputs=inputs,
         outputs={figures["eval_set"]["path"]: figures["eval_set"]["hash"]},
         figures=figures,
+        phases=phases,
         rule={
             "name": cfg.rule,
             "default_arm": cfg.default_arm,

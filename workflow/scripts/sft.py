@@ -21,18 +21,21 @@ def main() -> None:
     stage = Stage("sft")
     require_checkpoint("base_model", cfg.run.base_model)
     apply_resource_guards(cfg.run, "sft", [cfg.run.results_dir])
-    check_stage_rss("sft", cfg, cfg.run.base_model)
+    projection = check_stage_rss("sft", cfg, cfg.run.base_model)
     from align.stages.sft import run_sft
     from align.utils.dist import destroy_distributed
     from align.utils.weights_hash import weights_hash
 
-    figures, info = run_sft(cfg, paths)
+    figures, info = run_sft(cfg, paths, projection)
+    phases = figures.pop("phases")
     if info.is_main:
         outputs = {paths.recorded(paths.sft_checkpoint): weights_hash(paths.sft_checkpoint)}
         inputs = {paths.recorded(cfg.run.base_model): weights_hash(cfg.run.base_model)}
         stage.write(
             paths.sft_receipt,
-            stage.receipt(loaded, PASSED, inputs=inputs, outputs=outputs, figures=figures),
+            stage.receipt(
+                loaded, PASSED, inputs=inputs, outputs=outputs, figures=figures, phases=phases
+            ),
         )
     destroy_distributed()
 

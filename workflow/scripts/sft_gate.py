@@ -24,17 +24,19 @@ def main() -> None:
     checkpoint = Path(cfg.run.sft_checkpoint) if cfg.run.sft_checkpoint else paths.sft_checkpoint
     require_checkpoint("sft_gate", checkpoint)
     apply_resource_guards(cfg.run, "sft_gate", [cfg.run.results_dir])
-    check_stage_rss("sft_gate", cfg, checkpoint)
+    projection = check_stage_rss("sft_gate", cfg, checkpoint)
     from align.stages.sft import evaluate_sft_gate
     from align.utils.dist import destroy_distributed
     from align.utils.weights_hash import weights_fingerprint, weights_hash
 
-    result = evaluate_sft_gate(cfg, checkpoint, paths.sft_gate_run_dir)
+    result = evaluate_sft_gate(cfg, checkpoint, paths.sft_gate_run_dir, projection)
+    phases = result.pop("phases")
     receipt = stage.receipt(
         loaded,
         PASSED if result["passed"] else FAILED,
         inputs={paths.recorded(checkpoint): weights_hash(checkpoint)},
         figures=result,
+        phases=phases,
         passed=result["passed"],
         checkpoint=paths.recorded(checkpoint),
         checkpoint_hash=weights_hash(checkpoint),

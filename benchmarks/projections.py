@@ -1,0 +1,178 @@
+"""Measured over projected, per stage and phase, from the receipts of finished runs.
+
+`python benchmarks/projections.py RESULTS_DIR [RESULTS_DIR ...]` reads every receipt
+under each results directory that records phases (align.train.phases): the sft,
+sft_gate, ref_cache, path_bias, probe, dpo and select_arms jobs. For each phase it
+prints the job's measured host peak (the sum of its ranks' peaks) over the projection
+of align.train.memory, term by term where rank 0's own terms can be read apart, and
+the phase's wall clock, over the probe's projection for DPO training. It also sets
+Snakemake's benchmark max_rss of each job beside the projection's largest phase, and
+each checkpoint save against the probe's timed one.
+
+Goals (the scale rehearsal): host peak between 0.85x and 1.0x of its projection, wall
+clock within 25%. A row outside them is marked; the exit status is 1 when any is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+from pathlib import Path
+
+HOST_GOAL = (0.85, 1.0)
+WALL_GOAL = 0.25
+
+
+def receipts(results: Path) -> list[tuple[str, Path, dict]]:
+    """(label, path, receipt) of every receipt under `results` that records phases."""
+    found = []
+    for path in sorted(results.rglob("*.json")):
+        try:
+            receipt = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(receipt, dict) and isinstance(receipt.get("phases"), dict):
+            found.append((label_of(receipt), path, receipt))
+    return found
+
+
+def label_of(receipt: dict) -> str:
+    stage = receipt["stage"]
+    return f"{stage}:{receipt['arm']}" if receipt.get("arm") else stage
+
+
+def model_size(results: Path) -> str:
+    """The run's parameter count, from any receipt's projection."""
+    for _, _, receipt in receipts(results):
+        projection = receipt.get("projection") or {}
+        if "parameters" in projection:
+            return f"{projection['parameters'] / 1e6:.1f}M parameters"
+    return "size not recorded"
+
+
+def benchmark_max_rss(results: Path, receipt_path: Path, stage: str) -> float | None:
+    """Snakemake's max_rss (MB) of the job that wrote the receipt, when one file names it."""
+    rule = {"dpo": "dpo", "probe": "probe"}.get(stage, stage)
+    candidates = sorted((results / "benchmarks" / rule).glob("*.tsv"))
+    named = [c for c in candidates if c.stem.split("-")[0] in receipt_path.parts] or candidates
+    if len(named) != 1:
+        return None
+    rows = list(csv.DictReader(named[0].open(), delimiter="\t"))
+    return float(rows[-1]["max_rss"]) if rows and rows[-1]["max_rss"] != "NA" else None
+
+
+def ratio_mark(value: float, low: float, high: float) -> str:
+    return "" if low <= value <= high else "  <-- outside goal"
+
+
+def phase_rows(receipt: dict) -> list[str]:
+    lines = []
+    for name, phase in receipt["phases"].items():
+        line = f"    {name:<9} wall {phase['wall_s']:8.1f} s"
+        if "projected_wall_s" in phase:
+            ratio = phase["wall_ratio"]
+            line += f" / {phase['projected_wall_s']:8.1f} s = {ratio:4.2f}x"
+            line += ratio_mark(ratio, 1 - WALL_GOAL, 1 + WALL_GOAL)
+        lines.append(line)
+        line = f"              host {phase['host_peak_mb']:8.0f} MiB"
+        if "projected_host_mb" in phase:
+            ratio = phase["host_ratio"]
+            line += f" / {phase['projected_host_mb']:8.0f} MiB = {ratio:4.2f}x"
+            line += ratio_mark(ratio, *HOST_GOAL)
+        line += "   ranks " + ", ".join(f"{mb:.0f}" for mb in phase["rank_host_peak_mb"])
+        lines.append(line)
+        terms = phase.get("projected_terms_mb", {})
+        if terms:
+            lines.append(
+                "              terms "
+                + ", ".join(f"{term} {mb:.0f}" for term, mb in terms.items() if mb >= 0.5)
+            )
+        rank0 = [t for t in terms if t.endswith("_rank0")]
+        peaks = phase["rank_host_peak_mb"]
+        if rank0 and len(peaks) > 1:
+            measured = peaks[0] - statistics.median(peaks[1:])
+            projected = sum(terms[t] for t in rank0)
+            lines.append(
+                f"              rank 0 over the others {measured:.0f} MiB / "
+                f"{projected:.0f} MiB projected ({', '.join(rank0)})"
+            )
+        if phase.get("rank_device_peak_mb"):
+            lines.append(
+                "              device "
+                + ", ".join(f"{mb:.0f}" for mb in phase["rank_device_peak_mb"])
+                + " MiB"
+            )
+    return lines
+
+
+def checkpoint_rows(receipt: dict, probe_save_s: float | None) -> list[str]:
+    training = (receipt.get("figures") or {}).get("training") or {}
+    saves, loads = training.get("checkpoint_save_s", []), training.get("checkpoint_load_s", [])
+    if not (saves or loads):
+        return []
+    line = f"    checkpoints: {len(saves)} saves"
+    if saves:
+        median = statistics.median(saves)
+        line += f", median {median:.2f} s"
+        if probe_save_s:
+            line += f" / probe's {probe_save_s:.2f} s = {median / probe_save_s:4.2f}x"
+    if loads:
+        line += f"; {len(loads)} loads, median {statistics.median(loads):.2f} s"
+    return [line]
+
+
+def report(results: Path) -> tuple[list[str], int]:
+    lines = [f"== {results} ({model_size(results)})"]
+    outside = 0
+    found = receipts(results)
+    probe_saves = {
+        r.get("arm"): (r.get("figures") or {}).get("checkpoint_s")
+        for _, _, r in found
+        if r["stage"] == "probe"
+    }
+    for label, path, receipt in found:
+        lines.append(f"  {label}  ({path.relative_to(results)})")
+        rows = phase_rows(receipt)
+        outside += sum("outside goal" in row for row in rows)
+        lines += rows
+        lines += checkpoint_rows(receipt, probe_saves.get(receipt.get("arm")))
+        max_rss = benchmark_max_rss(results, path, receipt["stage"])
+        projected = max(
+            (p["projected_host_mb"] for p in receipt["phases"].values() if "projected_host_mb" in p),
+            default=None,
+        )
+        if max_rss is not None and projected:
+            lines.append(
+                f"    snakemake max_rss {max_rss:.0f} MB / largest phase projection "
+                f"{projected:.0f} MiB = {max_rss / projected:4.2f}x"
+            )
+    if not found:
+        lines.append("  no receipt records phases")
+        outside += 1
+    return lines, outside
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", type=Path, help="results directories of runs")
+    args = parser.parse_args(argv)
+    outside = 0
+    for results in args.results:
+        if not results.is_dir():
+            print(f"projections: {results}: no such results directory", file=sys.stderr)
+            return 2
+        lines, off = report(results)
+        outside += off
+        print("\n".join(lines))
+    print(
+        f"\n{outside} figure(s) outside the goals (host {HOST_GOAL[0]}-{HOST_GOAL[1]}x, "
+        f"wall within {WALL_GOAL:.0%})"
+    )
+    return 1 if outside else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
