@@ -100,11 +100,14 @@ def phase_rows(receipt: dict) -> list[str]:
                 f"{projected:.0f} MiB projected ({', '.join(rank0)})"
             )
         if phase.get("rank_device_peak_mb"):
-            lines.append(
-                "              device "
-                + ", ".join(f"{mb:.0f}" for mb in phase["rank_device_peak_mb"])
-                + " MiB"
+            line = "              device " + ", ".join(
+                f"{mb:.0f}" for mb in phase["rank_device_peak_mb"]
             )
+            if "projected_device_allocated_mb" in phase:
+                ratio = phase["device_ratio"]
+                line += f" / {phase['projected_device_allocated_mb']:.0f} MiB = {ratio:4.2f}x"
+                line += ratio_mark(ratio, *HOST_GOAL)
+            lines.append(line)
     return lines
 
 
@@ -141,7 +144,11 @@ def report(results: Path) -> tuple[list[str], int]:
         lines += checkpoint_rows(receipt, probe_saves.get(receipt.get("arm")))
         max_rss = benchmark_max_rss(results, path, receipt["stage"])
         projected = max(
-            (p["projected_host_mb"] for p in receipt["phases"].values() if "projected_host_mb" in p),
+            (
+                p["projected_host_mb"]
+                for p in receipt["phases"].values()
+                if "projected_host_mb" in p
+            ),
             default=None,
         )
         if max_rss is not None and projected:

@@ -164,3 +164,74 @@ def test_align_memory_prints_the_projection(stub, capsys):
     assert code == 0
     out = capsys.readouterr().out
     assert "total per GPU" in out and "48.54 GiB" in out
+
+
+# --- the host projection, phase by phase ---------------------------------------------------
+
+
+def cpu_arm(*extra: str) -> ArmConfig:
+    cfg = ArmConfig(arm="mistral7b")
+    overrides = ["--data.seq_len=1024", "--batch.world_size=2", "--micro_batch=1"]
+    overrides += ["--grad_accum=2", "--global_batch=4", "--eval.batch_size=8", *extra]
+    apply_overrides(cfg, overrides, where="test")
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> Path:
+    return write_config_only_checkpoint(tmp_path_factory.mktemp("planned") / "mistral-7b")
+
+
+def test_each_stage_projects_the_phases_it_runs_and_its_peak_is_the_largest(planned):
+    expected = {
+        "dpo": ["load", "train", "export", "evaluate"],
+        "probe": ["load", "train"],
+        "ref_cache": ["load", "evaluate"],
+        "path_bias": ["load", "evaluate"],
+    }
+    for stage, phases in expected.items():
+        projection = projected_job_rss(job_shape(stage, cpu_arm()), planned, shard_bytes=0)
+        assert list(projection["phases"]) == phases, stage
+        totals = {name: phase["total_mb"] for name, phase in projection["phases"].items()}
+        assert projection["total_mb"] == max(totals.values())
+        assert projection["peak_phase"] == max(totals, key=totals.get)
+        for phase in projection["phases"].values():
+            assert phase["total_mb"] == pytest.approx(sum(phase["terms_mb"].values()))
+
+
+def test_after_training_the_sft_policy_is_counted_beside_the_trained_one(planned):
+    """DPO's evaluation loads the SFT policy (rank 0 stages it) beside the trained one and
+    keeps both roots gathered; neither gradients nor optimizer state outlive training."""
+    phases = projected_job_rss(job_shape("dpo", cpu_arm()), planned, 0)["phases"]
+    weights = 7_241_732_096 * 4 / MIB
+    evaluate = phases["evaluate"]["terms_mb"]
+    assert evaluate["weights"] == evaluate["second_policy"] == pytest.approx(weights)
+    assert evaluate["load_staging_rank0"] == phases["load"]["terms_mb"]["load_staging_rank0"]
+    assert evaluate["gathered_root"] == 2 * phases["load"]["terms_mb"]["gathered_root"]
+    for phase in ("export", "evaluate"):
+        assert not {"grads", "optimizer_state"} & phases[phase]["terms_mb"].keys(), phase
+    assert phases["export"]["terms_mb"]["export_gather_rank0"] == pytest.approx(weights)
+
+
+def test_evaluation_batches_widen_the_evaluation_not_training(planned):
+    narrow = projected_job_rss(job_shape("dpo", cpu_arm()), planned, 0)["phases"]
+    wide = projected_job_rss(job_shape("dpo", cpu_arm("--eval.batch_size=64")), planned, 0)
+    assert wide["phases"]["train"] == narrow["train"]
+    grown = wide["phases"]["evaluate"]["terms_mb"]["activations"]
+    assert grown > 7 * narrow["evaluate"]["terms_mb"]["activations"]
+
+
+def test_rank_zero_terms_fill_its_node_alone(planned):
+    """Steady terms spread over the nodes; rank 0's staging stays on its node."""
+    shape = job_shape("ref_cache", cpu_arm(), nodes=2)
+    load = projected_job_rss(shape, planned, 0)["phases"]["load"]
+    rank0 = load["terms_mb"]["load_staging_rank0"]
+    assert load["node_mb"] == pytest.approx((load["total_mb"] - rank0) / 2 + rank0)
+
+
+def test_a_stage_whose_config_names_no_row_length_must_be_given_one():
+    from align.config import SelectionConfig
+
+    with pytest.raises(ValueError, match="select_arms: its config names no seq_len"):
+        job_shape("select_arms", SelectionConfig())
+    assert job_shape("select_arms", SelectionConfig(), seq_len=1024).seq_len == 1024

@@ -30,8 +30,8 @@ def stage_args(receipt: dict) -> list[str]:
     return command[script + 1 :]
 
 
-# What two trainings of the same steps differ in: how long each step took.
-TIMINGS = ("step_time_s", "tokens_per_s")
+# What two trainings of the same steps differ in: how long each step and save took.
+TIMINGS = ("step_time_s", "tokens_per_s", "checkpoint_save_s", "checkpoint_load_s")
 
 
 def without_timings(value):

@@ -82,3 +82,18 @@ def test_off_cuda_the_probe_records_no_device_peak():
     assert figures["peak_device_mb"] == 0.0
     assert figures["device_peaks_mb"] == []
     assert figures["device_measured_over_projected"] is None
+
+
+def test_a_phase_does_not_inherit_the_heap_the_last_one_freed():
+    """glibc keeps freed heap pages resident (the last block pins the heap's top); the next
+    phase starts from what is live, not from what the last one touched."""
+    baseline = status_mb("VmRSS")
+    blocks = [np.ones(8000) for _ in range(4000)]  # 64 KB each, under mmap's threshold
+    last = blocks[-1]
+    del blocks
+    assert status_mb("VmRSS") > baseline + 200  # freed, still resident
+    meter = PhaseMeter("cpu")
+    with meter.phase("evaluate"):
+        pass
+    assert meter.phases["evaluate"].host_start_mb < baseline + 20
+    assert last.sum() == 8000

@@ -16,8 +16,7 @@ from conftest import production_checkout, run_snakemake, stand_in_apptainer
 from snakemake.utils import validate
 
 from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
-from align.stages.gates import preflight_projection
-from align.train.memory import job_shape, projected_job_rss, selection_seq_len
+from align.train.memory import check_stage_rss, job_shape, projected_job_rss, selection_seq_len
 
 REPO = Path(__file__).resolve().parents[1]
 PRODUCTION = REPO / "config" / "production"
@@ -201,7 +200,7 @@ def test_the_preflight_projection_of_each_production_arm_fits_its_declared_node(
     cfg.run.node_memory_mb = config["slurm_node_memory_mb"][partition]
     cfg.run.node_memory_source = f"slurm_node_memory_mb[{partition}] (workflow config)"
     cfg.run.gpus_per_node = config["gpus_per_node"]
-    projection = preflight_projection(cfg, stub, shard_bytes=0)
+    projection = check_stage_rss("dpo", cfg, stub, shard_bytes=0)
     assert projection["nodes"] == 1
     assert projection["node_memory_source"] == "slurm_node_memory_mb[gpu] (workflow config)"
     assert projection["headroom_mb"] > 0

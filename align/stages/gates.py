@@ -22,10 +22,7 @@ from align.model.tokenizer_hash import tokenizer_hash
 from align.paths import SPLITS, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, load_receipt, verify_hash
 from align.train.memory import (
-    check_device_projection,
     check_stage_rss,
-    device_memory_mb,
-    projected_device_memory,
 )
 from align.train.path_bias import RECOMPUTE, TrainingPath, required_forward_impl
 from align.train.ref_cache import (
@@ -333,7 +330,8 @@ def _gate_preflight(ctx: GateContext) -> dict[str, Any]:
     cfg = ctx.cfg
     master_updates = check_master_updates(cfg, ctx.checkpoint)
     shard_bytes = sum(ctx.entry.shards[split].stat().st_size for split in SPLITS)
-    projection = preflight_projection(cfg, ctx.checkpoint, shard_bytes)
+    # The dpo job's memory on its fullest node, and on each device under CUDA.
+    projection = check_stage_rss("dpo", cfg, ctx.checkpoint, shard_bytes)
     projection["master_updates"] = master_updates
     ctx.projection = MemoryVerdict.of(projection)
     shown = {
@@ -346,21 +344,6 @@ def _gate_preflight(ctx: GateContext) -> dict[str, Any]:
             device_projected_mb=round(device["total_mb"]), device_mb=round(device["device_mb"])
         )
     return shown
-
-
-def preflight_projection(
-    cfg: ArmConfig, checkpoint: str | Path, shard_bytes: int
-) -> dict[str, Any]:
-    """The dpo job's projected memory on its fullest node, and on each device under CUDA,
-    with what it was judged against; refused (exit 6) where it does not fit."""
-    projection = check_stage_rss("dpo", cfg, checkpoint, shard_bytes)
-    if cfg.run.device == "cuda":
-        device = projected_device_memory(cfg, checkpoint)
-        device.update(
-            check_device_projection(device, cfg.preflight, *device_memory_mb(cfg.preflight))
-        )
-        projection["device"] = device
-    return projection
 
 
 def check_master_updates(cfg: ArmConfig, checkpoint: str | Path) -> dict[str, Any]:

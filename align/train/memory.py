@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from align.config import ArmConfig, ModelConfig, PreflightConfig, RunConfig
+from align.config import ModelConfig, PreflightConfig, RunConfig
 from align.exit_codes import PreflightRefused
 from align.model.checkpoint_shapes import verified_hf_config, verify_checkpoint
 from align.model.hf_config import MistralConfig, load_hf_config
@@ -32,9 +32,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ADAMW8BIT_BLOCK = 256
 # Positions per chunk of the fused loss head (align.losses.fused.DEFAULT_CHUNK_SIZE).
 LOSS_CHUNK = 1024
-# float32 [chunk, vocab] tensors alive at once in the fused head: logits, their log-softmax
-# and, in backward, its gradient.
+# float32 [chunk, vocab] tensors alive at once in the fused head: logits and their
+# log-softmax, and in training also their gradient.
 LOSS_HEAD_COPIES = 3
+SCORING_HEAD_COPIES = 2
 
 
 def parameter_count(config: MistralConfig) -> dict[str, int]:
@@ -75,14 +76,6 @@ def activation_bytes_per_token_layer(config: MistralConfig, compute_bytes: int) 
     return norms + rope + attention + o_input + mlp
 
 
-def micro_batch_tokens(cfg: ArmConfig) -> tuple[int, int]:
-    """(rows, tokens per row) of the widest micro-batch: chosen and rejected rows of
-    seq_len, or one prefix-shared row of at most 2 x seq_len per pair."""
-    if cfg.batch.share_prompt:
-        return cfg.batch.micro_batch, 2 * cfg.data.seq_len
-    return 2 * cfg.batch.micro_batch, cfg.data.seq_len
-
-
 def kept_activation_bytes(
     config: MistralConfig, rows: int, length: int, compute_bytes: int, checkpointing: bool
 ) -> float:
@@ -105,85 +98,101 @@ def kept_activation_bytes(
     return kept + final_hidden
 
 
-def device_activation_terms(cfg: ArmConfig, config: MistralConfig) -> dict[str, float]:
-    """Activations of one micro-batch on the device, in bytes."""
-    rows, length = micro_batch_tokens(cfg)
-    c = DTYPE_BYTES[cfg.model.dtype]
-    checkpointing = cfg.trainer.activation_checkpointing
-    return {"activations": kept_activation_bytes(config, rows, length, c, checkpointing)}
-
-
-def loss_head_bytes(cfg: ArmConfig, config: MistralConfig) -> float:
+def loss_head_bytes(c: int, config: MistralConfig) -> float:
     """The fused loss's float32 logits chunk; below float32 compute also its float32 copy of
     lm_head and the float32 weight gradient it accumulates, then casts."""
-    c = DTYPE_BYTES[cfg.model.dtype]
     head = config.vocab_size * config.hidden_size
     chunk = LOSS_CHUNK * config.vocab_size * 4
     return chunk + (head * (4 + 4 + c) if c < 4 else head * 4)
 
 
-def projected_device_memory(cfg: ArmConfig, checkpoint: str | Path) -> dict[str, Any]:
-    """Projected peak memory of one GPU of the DPO job, by phase and term, in MiB.
+def projected_device_memory(
+    cfg: Any, checkpoint: str | Path, stage: str = "dpo", seq_len: int = 0
+) -> dict[str, Any]:
+    """Projected peak memory of one GPU of `stage`'s job under `cfg`, by phase and term."""
+    return projected_device_phases(job_shape(stage, cfg, seq_len=seq_len), checkpoint)
 
-    Training is its largest phase as a rule; evaluation after it holds the SFT policy's
-    shard beside the trained one and scores 2 x eval.batch_size rows without autograd.
-    `terms_mb` and `allocated_mb` are training's, what the probe measures; `total_mb`
-    is the largest phase's, what the device must hold.
+
+def projected_device_phases(shape: JobShape, checkpoint: str | Path) -> dict[str, Any]:
+    """Projected peak memory of one GPU of the job, by phase and term, in MiB.
+
+    Every phase holds this rank's shard of the master weights and the CUDA context. Load's
+    read-back forward gathers layers and the root; training adds gradients, optimizer
+    state, activations and the loss head; export moves one gathered tensor at a time to
+    the host; evaluation scores without autograd, beside the SFT policy's shard in DPO.
+    `terms_mb` and `allocated_mb` are training's where the stage trains (what the probe
+    measures); `total_mb` is the largest phase's, what the device must hold.
     """
     config = _device_projection_config(Path(checkpoint))
     counts = parameter_count(config)
+    load = STAGE_LOADS[shape.stage]
     m, c, r = (
-        DTYPE_BYTES[d] for d in (cfg.model.master_dtype, cfg.model.dtype, cfg.model.reduce_dtype)
+        DTYPE_BYTES[shape.model.master_dtype],
+        DTYPE_BYTES[shape.model.dtype],
+        DTYPE_BYTES[shape.model.reduce_dtype],
     )
-    shard = counts["total"] / cfg.batch.world_size
+    shard = counts["total"] / shape.world
     # FSDP casts a gathered layer's gradients to the reduce dtype before reduce-scatter.
     reduce_copy = r if r != c else 0
-    context = cfg.preflight.cuda_context_mb * MIB
-    train = {
-        "master_weights": shard * m,
-        "gradients": shard * m,
-        "optimizer_state": shard
-        * optimizer_state_bytes(cfg.optimizer.name, cfg.model.master_dtype),
-        # The layer in use and the one FSDP prefetches, in compute dtype.
-        "gathered_layers": 2 * counts["layer"] * c,
-        "layer_gradients": counts["layer"] * (c + reduce_copy),
-        # The root stays gathered from the first forward to the end of backward.
-        "gathered_root": counts["root"] * (2 * c + reduce_copy),
-        **device_activation_terms(cfg, config),
-        "loss_head": loss_head_bytes(cfg, config),
-        "cuda_context": context,
+    steady = {"master_weights": shard * m, "cuda_context": shape.preflight.cuda_context_mb * MIB}
+    # The layer in use and the one FSDP prefetches, in compute dtype.
+    gathered = {"gathered_layers": 2 * counts["layer"] * c, "gathered_root": counts["root"] * c}
+    phases = {"load": {**steady, **gathered}}
+    if load.trains:
+        phases["train"] = {
+            **steady,
+            "gradients": shard * m,
+            "optimizer_state": shard
+            * optimizer_state_bytes(shape.optimizer, shape.model.master_dtype),
+            "gathered_layers": 2 * counts["layer"] * c,
+            "layer_gradients": counts["layer"] * (c + reduce_copy),
+            # The root stays gathered from the first forward to the end of backward.
+            "gathered_root": counts["root"] * (2 * c + reduce_copy),
+            "activations": kept_activation_bytes(
+                config, shape.rows, shape.row_tokens, c, shape.activation_checkpointing
+            ),
+            "loss_head": loss_head_bytes(c, config),
+        }
+    if load.exports:
+        largest = config.vocab_size * config.hidden_size * m
+        phases["export"] = {**steady, "gathered_tensor": largest}
+    if "evaluate" in load.phases:
+        rows, tokens = (
+            (shape.eval_rows, shape.eval_row_tokens)
+            if load.trains
+            else (shape.rows, shape.row_tokens)
+        )
+        policies = 2 if load.second_policy else 1
+        phases["evaluate"] = {
+            **steady,
+            "second_policy": shard * m if load.second_policy else 0.0,
+            "gathered_layers": 2 * counts["layer"] * c,
+            "gathered_root": policies * counts["root"] * c,
+            "activations": scoring_activation_bytes(config, rows, tokens, c),
+            "loss_head": loss_head_bytes(c, config),
+            "kv_cache": 0.0 if load.trains else kv_cache_bytes(shape, config),
+        }
+    phases = {
+        name: {"terms_mb": {k: v / MIB for k, v in terms.items()}} for name, terms in phases.items()
     }
-    evaluate = {
-        "master_weights": shard * m,
-        "second_policy": shard * m,
-        "gathered_layers": 2 * counts["layer"] * c,
-        "gathered_root": counts["root"] * c,
-        "activations": scoring_activation_bytes(
-            config, 2 * cfg.eval.batch_size, cfg.data.seq_len, c
-        ),
-        "loss_head": loss_head_bytes(cfg, config),
-        "cuda_context": context,
-    }
-    phases = {}
-    for name, terms in (("train", train), ("evaluate", evaluate)):
-        terms_mb = {term: value / MIB for term, value in terms.items()}
-        phases[name] = {"terms_mb": terms_mb, "total_mb": sum(terms_mb.values())}
-    train_mb = phases["train"]["terms_mb"]
+    for phase in phases.values():
+        phase["total_mb"] = sum(phase["terms_mb"].values())
+    measured = phases["train"] if load.trains else max(phases.values(), key=lambda p: p["total_mb"])
     return {
-        "optimizer": cfg.optimizer.name,
+        "stage": shape.stage,
+        "optimizer": shape.optimizer or None,
         "precision": {
-            "compute": cfg.model.dtype,
-            "master": cfg.model.master_dtype,
-            "reduce": cfg.model.reduce_dtype,
+            "compute": shape.model.dtype,
+            "master": shape.model.master_dtype,
+            "reduce": shape.model.reduce_dtype,
         },
-        "world_size": cfg.batch.world_size,
-        "activation_checkpointing": cfg.trainer.activation_checkpointing,
+        "world_size": shape.world,
+        "activation_checkpointing": shape.activation_checkpointing,
         "phases": phases,
-        "terms_mb": train_mb,
+        "terms_mb": measured["terms_mb"],
         "total_mb": max(phase["total_mb"] for phase in phases.values()),
-        # What torch's allocator should see in training (max_memory_allocated): all but
-        # the context.
-        "allocated_mb": phases["train"]["total_mb"] - train_mb["cuda_context"],
+        # What torch's allocator should see (max_memory_allocated): all but the context.
+        "allocated_mb": measured["total_mb"] - measured["terms_mb"]["cuda_context"],
     }
 
 
@@ -254,7 +263,8 @@ class StageLoad:
 
 STAGE_LOADS = {
     "sft": StageLoad(("load", "train", "export", "evaluate")),
-    # The generation check runs between training steps, so its cache is a training term.
+    # DPO's generation checks run between steps, when gradients and activations are freed:
+    # their cache is smaller than what they replace, so it adds no training term.
     "dpo": StageLoad(("load", "train", "export", "evaluate"), second_policy=True, generates=True),
     "probe": StageLoad(("load", "train")),
     "sft_gate": StageLoad(("load", "evaluate"), generates=True),
@@ -275,7 +285,9 @@ class JobShape:
     model: ModelConfig
     optimizer: str
     rows: int  # rows of one training forward (a training stage) or one scoring forward
+    row_tokens: int  # their length: seq_len, or 2 x seq_len for prefix-shared pair rows
     eval_rows: int  # rows of one held-out scoring forward after training
+    eval_row_tokens: int
     seq_len: int
     activation_checkpointing: bool
     generation_rows: int  # prompts generated at once
@@ -288,16 +300,20 @@ def job_shape(stage: str, cfg: Any, nodes: int = 1, seq_len: int = 0) -> JobShap
     `seq_len` for a config that names none (selection scores the arms' rows)."""
     batch = getattr(cfg, "batch", None)
     data = getattr(cfg, "data", None)
+    if not seq_len and data is None:
+        raise ValueError(f"{stage}: its config names no seq_len; pass the rows' length")
     load = STAGE_LOADS[stage]
+    seq_len = seq_len or data.seq_len
     pairs = stage not in ("sft", "sft_gate")  # SFT rows are single sequences
-    per_item = 2 if pairs else 1
+    # A prefix-shared layout puts each pair in one row of up to twice seq_len.
+    trained_shared = batch is not None and batch.share_prompt
+    shared = cfg.ref.share_prompt if stage == "ref_cache" else trained_shared
+    per_item, length = (1, 2 * seq_len) if shared else (2 if pairs else 1, seq_len)
     eval_rows = per_item * cfg.eval.batch_size
-    if load.trains:
+    if load.trains or stage == "path_bias":
         rows = per_item * batch.micro_batch
     elif stage == "ref_cache":
-        rows = 2 * cfg.ref.batch_size
-    elif stage == "path_bias":
-        rows = 2 * batch.micro_batch
+        rows = per_item * cfg.ref.batch_size
     else:
         rows = eval_rows
     world = batch.world_size if batch is not None and stage not in SINGLE_PROCESS else 1
@@ -310,8 +326,10 @@ def job_shape(stage: str, cfg: Any, nodes: int = 1, seq_len: int = 0) -> JobShap
         model=cfg.model,
         optimizer=cfg.optimizer.name if load.trains else "",
         rows=rows,
+        row_tokens=length,
         eval_rows=eval_rows,
-        seq_len=seq_len or data.seq_len,
+        eval_row_tokens=length,
+        seq_len=seq_len,
         activation_checkpointing=load.trains and cfg.trainer.activation_checkpointing,
         generation_rows=prompts,
         generation_tokens=new_tokens,
@@ -398,40 +416,62 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
             else shape.nodes * shape.preflight.launcher_overhead_mb * MIB
         ),
     }
-    # Rank 0 reads the whole checkpoint in its stored dtype, then casts it to the master dtype.
+    # Rank 0 reads the whole checkpoint in its stored dtype and casts it to the master dtype;
+    # every other rank receives the broadcast one full tensor at a time, the largest an
+    # embedding matrix.
     stored, full_master = verified.stored_bytes, counts["total"] * master
     staging = stored + (full_master if stored != full_master else 0)
-    phases = {"load": {**common, "load_staging_rank0": staging}}
+    receive = (world - 1) * config.vocab_size * config.hidden_size * master
+    # FSDP keeps the root (embedding, final norm, lm_head) gathered in the compute dtype
+    # from a forward to the end of its backward, or, without one, until it is resharded:
+    # through load's read-back forward and every scoring or generating phase.
+    root = world * counts["root"] * compute if on_cpu else 0.0
+    phases = {
+        "load": {
+            **common,
+            "load_staging_rank0": staging,
+            "broadcast_receive": receive if on_cpu else 0.0,
+            "gathered_root": root,
+        }
+    }
     if load.trains:
-        training = {
+        phases["train"] = {
+            **common,
             "grads": weights,
             "optimizer_state": (
                 counts["total"] * optimizer_state_bytes(shape.optimizer, shape.model.master_dtype)
                 if on_cpu
                 else 0.0
             ),
-        }
-        phases["train"] = {
-            **common,
-            **training,
             "gathered_layers": world * 2 * counts["layer"] * compute if on_cpu else 0.0,
+            "gathered_root": root,
+            "root_gradients": root,
             "activations": world * cpu_training_activations(shape, config) if on_cpu else 0.0,
-            "kv_cache": world * kv_cache_bytes(shape, config) if on_cpu else 0.0,
         }
     if load.exports:
-        phases["export"] = {**common, "export_gather_rank0": full_master}
-    rows = shape.eval_rows if load.trains else shape.rows
-    scoring = world * cpu_scoring_activations(shape, config, rows) if on_cpu else 0.0
+        # A generation check after the last step leaves the root gathered into export.
+        phases["export"] = {
+            **common,
+            "gathered_root": root if load.generates else 0.0,
+            "export_gather_rank0": full_master,
+        }
+    rows, tokens = (
+        (shape.eval_rows, shape.eval_row_tokens) if load.trains else (shape.rows, shape.row_tokens)
+    )
+    scoring = world * cpu_scoring_activations(shape, config, rows, tokens) if on_cpu else 0.0
     if load.second_policy:
         phases["evaluate"] = {
             **common,
             "second_policy": weights,
             "load_staging_rank0": staging,
+            "broadcast_receive": receive if on_cpu else 0.0,
+            "gathered_root": 2 * root,
             "activations": scoring,
         }
     elif "evaluate" in load.phases:
         phases["evaluate"] = {
             **common,
+            "gathered_root": root,
             "activations": scoring,
             "kv_cache": world * kv_cache_bytes(shape, config) if on_cpu else 0.0,
         }
@@ -447,16 +487,18 @@ def cpu_training_activations(shape: JobShape, config: MistralConfig) -> float:
     """What one rank's training forward keeps for backward, and the fused loss head's chunk."""
     c = DTYPE_BYTES[shape.model.dtype]
     kept = kept_activation_bytes(
-        config, shape.rows, shape.seq_len, c, shape.activation_checkpointing
+        config, shape.rows, shape.row_tokens, c, shape.activation_checkpointing
     )
     return kept + LOSS_HEAD_COPIES * LOSS_CHUNK * config.vocab_size * 4
 
 
-def cpu_scoring_activations(shape: JobShape, config: MistralConfig, rows: int) -> float:
+def cpu_scoring_activations(
+    shape: JobShape, config: MistralConfig, rows: int, row_tokens: int
+) -> float:
     """One rank's scoring forward, and the fused loss head's chunk."""
     c = DTYPE_BYTES[shape.model.dtype]
-    scoring = scoring_activation_bytes(config, rows, shape.seq_len, c)
-    return scoring + LOSS_HEAD_COPIES * LOSS_CHUNK * config.vocab_size * 4
+    scoring = scoring_activation_bytes(config, rows, row_tokens, c)
+    return scoring + SCORING_HEAD_COPIES * LOSS_CHUNK * config.vocab_size * 4
 
 
 def scoring_activation_bytes(
@@ -528,12 +570,20 @@ def check_stage_rss(
     stage: str, cfg: Any, checkpoint: str | Path, shard_bytes: int = 0, seq_len: int = 0
 ) -> dict[str, Any]:
     """The stage's projected RSS (from the checkpoint's verified config and header sizes)
-    judged against its node before any model is built: refused (exit 6) when over
-    `preflight.host_memory_fraction` of it; the projection with the verdict otherwise."""
+    judged against its node before any model is built, and under CUDA each GPU's peak
+    against the device: refused (exit 6) when over `preflight.host_memory_fraction` of the
+    node or `preflight.device_memory_fraction` of the device; the projection with the
+    verdicts otherwise."""
     shape = job_shape(stage, cfg, stage_nodes(stage, cfg), seq_len)
     projection = projected_job_rss(shape, checkpoint, shard_bytes)
     fraction = shape.preflight.host_memory_fraction
     projection.update(check_projection(projection, fraction, *node_memory(cfg.run)))
+    if shape.device == "cuda":
+        device = projected_device_phases(shape, checkpoint)
+        device.update(
+            check_device_projection(device, shape.preflight, *device_memory_mb(shape.preflight))
+        )
+        projection["device"] = device
     return projection
 
 

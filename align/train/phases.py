@@ -1,8 +1,9 @@
 """What each phase of a model-loading stage cost, read from the kernel and the allocator.
 
-A stage runs in phases (load, train, export, evaluate). Each rank resets its resident-set
-high-water mark (VmHWM, by writing 5 to /proc/self/clear_refs) and CUDA's peak counter
-when a phase begins, and reads both, with the wall clock, when it ends. The job's host
+A stage runs in phases (load, train, export, evaluate). A phase begins by returning what
+the last one freed to the kernel (glibc keeps it resident otherwise); then each rank
+resets its resident-set high-water mark (VmHWM, by writing 5 to /proc/self/clear_refs)
+and CUDA's peak counter, and reads both, with the wall clock, when the phase ends. The job's host
 peak of a phase is the sum of its ranks' peaks and its launchers' (the processes of the
 job's tree), the quantity the projection sums (align.train.memory), so the receipt can
 set each phase's projection beside it.
@@ -10,6 +11,9 @@ set each phase's projection beside it.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 import time
 from collections.abc import Iterator
@@ -46,6 +50,27 @@ def launcher_peak_mb() -> float:
     return status_mb("VmHWM", Path(f"/proc/{pid}/status"))
 
 
+def _libc_malloc_trim():
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+# glibc's malloc_trim; None under a C library without it (musl), whose free returns pages.
+MALLOC_TRIM = _libc_malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Collect unreachable objects, then hand the C heap's free pages back to the kernel:
+    glibc keeps what a phase freed (training's activations, a dropped optimizer) resident
+    until asked, and the next phase would be charged for it."""
+    gc.collect()
+    if MALLOC_TRIM is not None:
+        MALLOC_TRIM(0)
+
+
 def reset_host_peak() -> None:
     """VmHWM (and so ru_maxrss) restarts from the current RSS (Linux 4.0+)."""
     CLEAR_REFS.write_text("5")
@@ -76,6 +101,7 @@ class PhaseMeter:
             raise ValueError(f"phase {name!r}: expected one of {PHASES}")
         if self.on_cuda:
             torch.cuda.reset_peak_memory_stats()
+        release_freed_memory()
         reset_host_peak()
         measure = self.phases.setdefault(name, PhaseMeasure())
         start_mb, started = status_mb("VmRSS"), time.perf_counter()
@@ -123,6 +149,12 @@ class PhaseMeter:
             }
             if self.on_cuda:
                 record["rank_device_peak_mb"] = all_gather_floats(measure.device_peak_mb)
+                device = (projection or {}).get("device", {}).get("phases", {}).get(name)
+                if device is not None:
+                    # The allocator's peak: the projection less the CUDA context.
+                    allocated = device["total_mb"] - device["terms_mb"]["cuda_context"]
+                    record["projected_device_allocated_mb"] = allocated
+                    record["device_ratio"] = max(record["rank_device_peak_mb"]) / allocated
             if name in projected:
                 expected = projected[name]
                 record["projected_host_mb"] = expected["total_mb"]

@@ -53,6 +53,7 @@ def write_probe(loaded, ctx: GateContext, stage: Stage, out, common: dict) -> No
     from align.stages.dpo import run_probe
 
     figures, info = run_probe(loaded.cfg, ctx)
+    phases = figures.pop("phases")
     b = loaded.cfg.batch
     if info.is_main:
         topology = {
@@ -64,6 +65,7 @@ def write_probe(loaded, ctx: GateContext, stage: Stage, out, common: dict) -> No
             loaded,
             PASSED,
             figures=figures,
+            phases=phases,
             topology=topology,
             projection=ctx.projection.figures,
             **common,
@@ -83,6 +85,7 @@ def write_arm_result(loaded, ctx: GateContext, stage: Stage, out, common: dict) 
 
     figures, info = run_dpo(loaded.cfg, ctx)
     tripwire = figures.pop("tripwire")
+    phases = figures.pop("phases")
     ended = tripwire["ended_by_tripwire"]
     if info.is_main:
         arm, recorded = ctx.arm, ctx.paths.recorded
@@ -97,6 +100,7 @@ def write_arm_result(loaded, ctx: GateContext, stage: Stage, out, common: dict) 
             },
             outputs={recorded(arm.policy_dir): weights_hash(arm.policy_dir)},
             figures=figures,
+            phases=phases,
             tripwire=tripwire,
             checkpoint=recorded(ctx.checkpoint),
             caches=caches,

@@ -63,6 +63,7 @@ def build_caches(
             outputs={cache["path"]: cache["hash"] for cache in caches.values()},
             figures=figures,
             phases=phases,
+            projection=projection,
             forward_impl=forward_impl,
             caches=caches,
         )
@@ -93,6 +94,7 @@ def measure_path_bias(
             inputs={paths.recorded(cache): hash_file(cache)},
             figures=figures,
             phases=phases,
+            projection=projection,
             checkpoint=paths.recorded(checkpoint),
         )
         stage.write(arm.path_bias, receipt)

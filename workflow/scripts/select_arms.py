@@ -173,6 +173,7 @@ def main() -> None:
         outputs={figures["eval_set"]["path"]: figures["eval_set"]["hash"]},
         figures=figures,
         phases=phases,
+        projection=projection,
         rule={
             "name": cfg.rule,
             "default_arm": cfg.default_arm,

@@ -34,7 +34,13 @@ def main() -> None:
         stage.write(
             paths.sft_receipt,
             stage.receipt(
-                loaded, PASSED, inputs=inputs, outputs=outputs, figures=figures, phases=phases
+                loaded,
+                PASSED,
+                inputs=inputs,
+                outputs=outputs,
+                figures=figures,
+                phases=phases,
+                projection=projection,
             ),
         )
     destroy_distributed()

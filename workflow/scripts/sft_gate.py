@@ -37,6 +37,7 @@ def main() -> None:
         inputs={paths.recorded(checkpoint): weights_hash(checkpoint)},
         figures=result,
         phases=phases,
+        projection=projection,
         passed=result["passed"],
         checkpoint=paths.recorded(checkpoint),
         checkpoint_hash=weights_hash(checkpoint),
