@@ -1,7 +1,8 @@
 """A stop after training, on a copy of the finished default run: SIGTERM while the policy is
-exported ends once it is exported, SIGTERM while the held-out pairs are scored ends between
+exported ends once it is exported, SIGTERM while the held-out data is scored ends between
 batches; both exit 75 with the stop marker naming the phase, and the retry evaluates the
-exported policy without training, to the same arm result as the uninterrupted run."""
+exported policy without training, to the same result as the uninterrupted run. DPO's arm
+and SFT alike."""
 
 from __future__ import annotations
 
@@ -15,18 +16,20 @@ from pathlib import Path
 import pytest
 
 from align.exit_codes import RESUMABLE_STOP
-from align.paths import RunPaths, trained_record_in
+from align.paths import RunPaths, metrics_in, trained_record_in
 
 REPO = Path(__file__).resolve().parents[1]
-DRIVER = REPO / "tests" / "drivers" / "dpo_stop_in_phase.py"
-ARM = RunPaths.of("results").arm("argilla")
+DRIVER = REPO / "tests" / "drivers" / "stop_in_phase.py"
+PATHS = RunPaths.of("results")
+ARM = PATHS.arm("argilla")
 pytestmark = pytest.mark.slow
 
 
-def stage_args(receipt: dict) -> list[str]:
-    """The config and overrides the finished run's dpo job ran with, as its receipt records."""
+def stage_args(receipt: dict, stage: str) -> list[str]:
+    """The config and overrides the finished run's job ran with, as its receipt records."""
     command = shlex.split(receipt["command"])
-    script = next(i for i, arg in enumerate(command) if arg.endswith("workflow/scripts/dpo.py"))
+    suffix = f"workflow/scripts/{stage}.py"
+    script = next(i for i, arg in enumerate(command) if arg.endswith(suffix))
     return command[script + 1 :]
 
 
@@ -42,13 +45,13 @@ def without_timings(value):
     return value
 
 
-def launch(work: Path, script: Path, *args: str) -> subprocess.CompletedProcess:
+def launch(work: Path, marker: Path, script: Path, *args: str) -> subprocess.CompletedProcess:
     command = [
         sys.executable,
         "-m",
         "align.launch",
         "--nproc=2",
-        f"--stop-marker={ARM.stop_marker}",
+        f"--stop-marker={marker}",
         str(script),
         *args,
     ]
@@ -63,10 +66,10 @@ def test_a_stop_after_training_exits_75_and_the_retry_evaluates_the_export_to_th
     for name in ("results", "resources"):
         shutil.copytree(finished_workflow / name, work / name, symlinks=True)
     uninterrupted = json.loads((work / ARM.arm_result).read_text())
-    args = stage_args(uninterrupted)
+    args = stage_args(uninterrupted, "dpo")
     (work / ARM.arm_result).unlink()
 
-    stopped = launch(work, DRIVER, phase, *args)
+    stopped = launch(work, ARM.stop_marker, DRIVER, "dpo", phase, *args)
     assert stopped.returncode == RESUMABLE_STOP, stopped.stderr[-3000:]
     marker = json.loads((work / ARM.stop_marker).read_text())
     assert marker == {"phase": phase, "checkpoint": "argilla/policy", "reason": "signal SIGTERM"}
@@ -75,7 +78,7 @@ def test_a_stop_after_training_exits_75_and_the_retry_evaluates_the_export_to_th
 
     retry = [arg for arg in args if not arg.startswith("--trainer.resume=")]
     resumed = launch(
-        work, REPO / "workflow" / "scripts" / "dpo.py", *retry, "--trainer.resume=true"
+        work, ARM.stop_marker, REPO / "workflow/scripts/dpo.py", *retry, "--trainer.resume=true"
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "training recorded; evaluating the exported" in resumed.stderr
@@ -89,3 +92,42 @@ def test_a_stop_after_training_exits_75_and_the_retry_evaluates_the_export_to_th
             uninterrupted["figures"][key]
         ), key
     assert without_timings(result["tripwire"]) == without_timings(uninterrupted["tripwire"])
+
+
+@pytest.mark.parametrize("phase", ["export", "evaluate"])
+def test_a_stop_after_sft_training_exits_75_and_the_retry_evaluates_the_export_to_the_same_nll(
+    finished_workflow, tmp_path, phase
+):
+    work = tmp_path / "work"
+    for name in ("results", "resources"):
+        shutil.copytree(finished_workflow / name, work / name, symlinks=True)
+    uninterrupted = json.loads((work / PATHS.sft_receipt).read_text())
+    args = stage_args(uninterrupted, "sft")
+    (work / PATHS.sft_receipt).unlink()
+
+    stopped = launch(work, PATHS.sft_stop_marker, DRIVER, "sft", phase, *args)
+    assert stopped.returncode == RESUMABLE_STOP, stopped.stderr[-3000:]
+    marker = json.loads((work / PATHS.sft_stop_marker).read_text())
+    assert marker == {"phase": phase, "checkpoint": "sft/checkpoint", "reason": "signal SIGTERM"}
+    assert (work / trained_record_in(PATHS.sft_run_dir)).is_file()
+    metrics = (work / metrics_in(PATHS.sft_run_dir)).read_bytes()
+
+    retry = [arg for arg in args if not arg.startswith("--trainer.resume=")]
+    resumed = launch(
+        work,
+        PATHS.sft_stop_marker,
+        REPO / "workflow/scripts/sft.py",
+        *retry,
+        "--trainer.resume=true",
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "training recorded; evaluating the exported" in resumed.stderr
+    assert (work / metrics_in(PATHS.sft_run_dir)).read_bytes() == metrics  # nothing retrained
+    assert not (work / PATHS.sft_stop_marker).exists()
+    result = json.loads((work / PATHS.sft_receipt).read_text())
+    assert result["figures"]["evaluation_resumed_after"] == marker
+    assert result["outputs"] == uninterrupted["outputs"]
+    assert result["figures"]["held_nll"] == uninterrupted["figures"]["held_nll"]
+    assert without_timings(result["figures"]["training"]) == without_timings(
+        uninterrupted["figures"]["training"]
+    )

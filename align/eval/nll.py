@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -11,10 +13,15 @@ from align.utils.dist import DistInfo, all_reduce_sum
 
 
 @torch.no_grad()
-def mean_nll(model, shard, batch_size: int, info: DistInfo) -> float:
+def mean_nll(
+    model, shard, batch_size: int, info: DistInfo, between_batches: Callable[[], None] | None = None
+) -> float:
+    """Token-mean NLL of the shard; `between_batches` runs on every rank before each batch."""
     model.eval()
     total, tokens = 0.0, 0
     for rows in rank_blocks(len(shard), batch_size, info.rank, info.world_size):
+        if between_batches is not None:
+            between_batches()
         batch = shard.collate(rows if rows is not None else np.arange(min(batch_size, len(shard))))
         logps, counts = sequence_logps_and_counts(model, batch)
         if rows is not None:

@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import json
 import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,12 +25,13 @@ from align.data.loader import PairShard
 from align.eval.generation import generation_check, generation_prompts
 from align.eval.preference import implicit_reward_preference, policy_preference, score_pairs
 from align.eval.sanity import GenerationBand, chosen_responses, judge
-from align.exit_codes import ConfigError, GateRefused, ResumableStop
+from align.exit_codes import ConfigError
 from align.losses.dpo import DPOObjective
 from align.paths import FIRST_RUN, RERUN, SPLITS, ended_run_in, trained_record_in
 from align.receipts import write_json_atomic
 from align.stages.entry import is_main_process
 from align.stages.gates import CacheInUse, GateContext
+from align.stages.phase_stops import EVALUATE, EXPORT, PhaseStops, resume_evaluation
 from align.train.adapters import DpoAdapter
 from align.train.path_bias import TrainingPath
 from align.train.phases import PhaseMeter
@@ -39,7 +39,6 @@ from align.train.precision import describe as describe_precision
 from align.train.probes import probe_figures
 from align.train.ref_cache import load_ref_cache
 from align.train.session import build_trainer, export_policy, load_policy, start_session
-from align.train.trainer import StopRequest
 from align.train.tripwires import Alarm, Tripwires, describe_alarm
 from align.utils.dist import DistInfo, all_gather_floats, any_rank, barrier
 from align.utils.weights_hash import weights_fingerprint
@@ -351,12 +350,6 @@ def record_ended_run(run: dict[str, Any], run_dir: Path) -> None:
         write_json_atomic(ended_run_in(run_dir), {"record": run["record"], "banner": run["banner"]})
 
 
-# The phases after training. A stop in export ends once the policy is exported; a stop in
-# evaluation ends between batches. Both leave the stop marker and exit 75, and the retry
-# evaluates the exported policy without training again.
-EXPORT, EVALUATE = "export", "evaluate"
-
-
 @dataclass(frozen=True)
 class Trained:
     """What training decided, recorded once the policy is exported: what the arm result
@@ -371,45 +364,13 @@ class Trained:
     policy_fingerprint: dict[str, list[int]]
 
 
-class PhaseStops:
-    """SIGTERM / SIGUSR1 after training, honoured at the next phase boundary or batch.
-
-    Installed for the whole stage: a trainer installs its own handler while it fits and
-    puts this one back after."""
-
-    def __init__(self, ctx: GateContext):
-        self.request, self.ctx = StopRequest(), ctx
-
-    def __enter__(self) -> PhaseStops:
-        self.request.install()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.request.uninstall()
-
-    def stop_if_requested(self, phase: str) -> None:
-        """On every rank alike: exit 75 through the stop marker when any rank was signalled."""
-        if not any_rank(self.request.signal is not None):
-            return
-        reason = f"signal {signal.Signals(self.request.signal or signal.SIGTERM).name}"
-        policy = self.ctx.paths.recorded(self.ctx.arm.policy_dir)
-        if is_main_process():
-            write_json_atomic(
-                self.ctx.arm.stop_marker, {"phase": phase, "checkpoint": policy, "reason": reason}
-            )
-        barrier()
-        raise ResumableStop(
-            f"dpo stopped in {phase} ({reason}); the policy is exported to {policy}, a retry "
-            "evaluates it"
-        )
-
-
 def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]:
     """Train the arm (on an alarm, rerun once from SFT with the pre-registered response),
     export the policy, then score it and the SFT policy on the held-out pairs."""
     trained = trained_before(cfg, ctx)
     meter = PhaseMeter(cfg.run.device)
-    with PhaseStops(ctx) as stops:
+    policy = ctx.paths.recorded(ctx.arm.policy_dir)
+    with PhaseStops("dpo", ctx.arm.stop_marker, policy) as stops:
         if trained is None:
             trained, final = train_and_export(cfg, ctx, meter)
             stops.stop_if_requested(EXPORT)
@@ -486,16 +447,8 @@ def reload_exported(cfg: ArmConfig, ctx: GateContext, trained: Trained, meter: P
     """The exported policy and the held-out pairs, for a retry that evaluates only; the stop
     it follows is read from the marker, which it then clears."""
     info = start_session(ctx.arm.run_dir, cfg.run, cfg.batch)
-    policy, marker = ctx.arm.policy_dir, ctx.arm.stop_marker
-    if weights_fingerprint(policy) != trained.policy_fingerprint:
-        raise GateRefused(
-            "dpo", f"{policy}: weight files changed since they were exported (sizes and times)"
-        )
-    resumed = json.loads(marker.read_text()) if marker.is_file() else None
-    barrier()
-    if info.is_main:
-        marker.unlink(missing_ok=True)
-        print(f"align dpo: training recorded; evaluating the exported {policy}", file=sys.stderr)
+    policy = ctx.arm.policy_dir
+    resumed = resume_evaluation("dpo", policy, trained.policy_fingerprint, ctx.arm.stop_marker)
     held = PairShard(ctx.entry.shards["held"], cfg.batch.share_prompt)
     with meter.phase("load"):
         model = load_policy(policy, cfg.model, info)

@@ -7,6 +7,8 @@ generations of a checkpoint against the pre-registered thresholds.
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,20 +18,59 @@ from align.data.sft import tokenize_sft_splits
 from align.eval.generation import greedy_generate_batch
 from align.eval.nll import mean_nll
 from align.model.tokenizer import load_tokenizer
-from align.paths import RunPaths
+from align.paths import RunPaths, trained_record_in
+from align.receipts import write_json_atomic
+from align.stages.phase_stops import EVALUATE, EXPORT, PhaseStops, resume_evaluation
 from align.train.adapters import SftAdapter
 from align.train.phases import PhaseMeter
 from align.train.session import build_trainer, export_policy, load_policy, start_session
+from align.utils.dist import barrier
+from align.utils.weights_hash import weights_fingerprint
 
 
 def run_sft(
     cfg: SftConfig, paths: RunPaths, projection: dict[str, Any] | None = None
 ) -> dict[str, Any]:
+    """Train from the base model and export, or on a retry after a stop in export or
+    evaluation, reload the export; then the held-out NLL. A stop after training ends at the
+    next phase boundary or batch (exit 75)."""
     info = start_session(paths.sft_run_dir, cfg.run, cfg.batch)
     meter = PhaseMeter(info.device.type)
     tokenizer = load_tokenizer(cfg.run.base_model)
     arrays = tokenize_sft_splits(cfg.data, tokenizer)
     train, held = SftShard(arrays["train"]), SftShard(arrays["held"])
+    marker, policy = paths.sft_stop_marker, paths.recorded(paths.sft_checkpoint)
+    figures: dict[str, Any] = {}
+    with PhaseStops("sft", marker, policy) as stops:
+        trained = sft_trained_before(cfg, paths)
+        if trained is None:
+            model, summary = train_and_export(cfg, paths, info, train, meter)
+            stops.stop_if_requested(EXPORT)
+        else:
+            summary = trained["training"]
+            figures["evaluation_resumed_after"] = resume_evaluation(
+                "sft", paths.sft_checkpoint, trained["policy_fingerprint"], marker
+            )
+            with meter.phase("load"):
+                model = load_policy(paths.sft_checkpoint, cfg.model, info)
+        between = functools.partial(stops.stop_if_requested, EVALUATE)
+        with meter.phase("evaluate"):
+            held_nll = mean_nll(model, held, cfg.eval.batch_size, info, between)
+    return {
+        "world_size": info.world_size,
+        "train_rows": len(train),
+        "held_rows": len(held),
+        "training": summary,
+        "held_nll": held_nll,
+        "precision": model.precision,
+        "devices": list(info.devices),
+        **figures,
+        "phases": meter.report(projection),
+    }, info
+
+
+def train_and_export(cfg: SftConfig, paths: RunPaths, info, train, meter: PhaseMeter):
+    """The trained policy, exported, and what training recorded beside the export."""
     with meter.phase("load"):
         model = load_policy(cfg.run.base_model, cfg.model, info, cfg.trainer)
     trainer = build_trainer(
@@ -48,18 +89,20 @@ def run_sft(
     del trainer  # its optimizer state; export and evaluation need only the model
     with meter.phase("export"):
         export_policy(model, info, cfg.run.base_model, paths.sft_checkpoint)
-    with meter.phase("evaluate"):
-        held_nll = mean_nll(model, held, cfg.eval.batch_size, info)
-    return {
-        "world_size": info.world_size,
-        "train_rows": len(train),
-        "held_rows": len(held),
-        "training": summary,
-        "held_nll": held_nll,
-        "precision": model.precision,
-        "devices": list(info.devices),
-        "phases": meter.report(projection),
-    }, info
+        barrier()  # rank 0 writes the export; its fingerprint is read below
+    record = {"training": summary, "policy_fingerprint": weights_fingerprint(paths.sft_checkpoint)}
+    if info.is_main:
+        write_json_atomic(trained_record_in(paths.sft_run_dir), record)
+    barrier()
+    return model, summary
+
+
+def sft_trained_before(cfg: SftConfig, paths: RunPaths) -> dict[str, Any] | None:
+    """On a retry, what an earlier attempt recorded once it exported."""
+    path = trained_record_in(paths.sft_run_dir)
+    if not cfg.trainer.resume or not path.is_file():
+        return None
+    return json.loads(path.read_text())
 
 
 def evaluate_sft_gate(

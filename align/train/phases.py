@@ -11,9 +11,6 @@ set each phase's projection beside it.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 import os
 import time
 from collections.abc import Iterator
@@ -26,6 +23,7 @@ import torch
 
 from align.launch import LAUNCHER_PID_ENV
 from align.utils.dist import all_gather_floats
+from align.utils.heap import release_freed_memory
 
 MIB = 2**20
 STATUS = Path("/proc/self/status")
@@ -48,27 +46,6 @@ def launcher_peak_mb() -> float:
     if pid is None or os.environ.get("LOCAL_RANK", "0") != "0" or int(pid) != os.getppid():
         return 0.0
     return status_mb("VmHWM", Path(f"/proc/{pid}/status"))
-
-
-def _libc_malloc_trim():
-    name = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    if trim is not None:
-        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
-# glibc's malloc_trim; None under a C library without it (musl), whose free returns pages.
-MALLOC_TRIM = _libc_malloc_trim()
-
-
-def release_freed_memory() -> None:
-    """Collect unreachable objects, then hand the C heap's free pages back to the kernel:
-    glibc keeps what a phase freed (training's activations, a dropped optimizer) resident
-    until asked, and the next phase would be charged for it."""
-    gc.collect()
-    if MALLOC_TRIM is not None:
-        MALLOC_TRIM(0)
 
 
 def reset_host_peak() -> None:

@@ -15,6 +15,7 @@ from filelock import FileLock, Timeout
 
 from align.constants import CPU_ISAS, LOCK_MODES
 from align.exit_codes import ConfigError, PreflightRefused
+from align.utils.heap import fix_mmap_threshold
 
 # platform.machine() of the CPUs run.cpu_isa names sets of.
 X86_64 = ("x86_64", "AMD64")
@@ -51,9 +52,11 @@ def pin_cpu_isa(isa: str) -> None:
 
 
 def configure_cpu(run) -> None:
-    """The run's thread cap and instruction-set pin, before torch is imported."""
+    """The run's thread cap, instruction-set pin and heap threshold, before torch is
+    imported."""
     cap_threads(run.threads)
     pin_cpu_isa(run.cpu_isa)
+    fix_mmap_threshold()
 
 
 def heavy_lock_path(configured: str | Path) -> Path:

@@ -1,0 +1,73 @@
+"""Stops after training: SIGTERM or SIGUSR1 honoured at the next phase boundary or batch.
+
+A training stage exports its policy, records what training decided beside it, then
+evaluates. A stop in export ends once the export is written; a stop in evaluation ends
+between batches. Either leaves the stage's stop marker, naming the phase, and exits 75;
+the retry evaluates the export without training again. The handler is installed for the
+whole stage: a trainer installs its own while it fits and puts this one back after.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from align.exit_codes import GateRefused, ResumableStop
+from align.receipts import write_json_atomic
+from align.stages.entry import is_main_process
+from align.train.trainer import StopRequest
+from align.utils.dist import any_rank, barrier
+from align.utils.weights_hash import weights_fingerprint
+
+EXPORT, EVALUATE = "export", "evaluate"
+
+
+class PhaseStops:
+    """The stop request of `stage` after training; `policy` is its export as receipts name it."""
+
+    def __init__(self, stage: str, marker: Path, policy: str):
+        self.stage, self.marker, self.policy = stage, marker, policy
+        self.request = StopRequest()
+
+    def __enter__(self) -> PhaseStops:
+        self.request.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.request.uninstall()
+
+    def stop_if_requested(self, phase: str) -> None:
+        """On every rank alike: exit 75 through the stop marker when any rank was signalled."""
+        if not any_rank(self.request.signal is not None):
+            return
+        reason = f"signal {signal.Signals(self.request.signal or signal.SIGTERM).name}"
+        if is_main_process():
+            write_json_atomic(
+                self.marker, {"phase": phase, "checkpoint": self.policy, "reason": reason}
+            )
+        barrier()
+        raise ResumableStop(
+            f"{self.stage} stopped in {phase} ({reason}); the policy is exported to "
+            f"{self.policy}, a retry evaluates it"
+        )
+
+
+def resume_evaluation(stage: str, policy: Path, fingerprint, marker: Path) -> dict[str, Any] | None:
+    """On a retry after a stop in export or evaluation: the export must be the one training
+    recorded (sizes and times); returns the stop it follows, read from the marker, which
+    is then cleared. Every rank calls it."""
+    if weights_fingerprint(policy) != fingerprint:
+        raise GateRefused(
+            stage, f"{policy}: weight files changed since they were exported (sizes and times)"
+        )
+    resumed = json.loads(marker.read_text()) if marker.is_file() else None
+    barrier()
+    if is_main_process():
+        marker.unlink(missing_ok=True)
+        print(
+            f"align {stage}: training recorded; evaluating the exported {policy}", file=sys.stderr
+        )
+    return resumed
