@@ -9,7 +9,7 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 # each process would compile its imports again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: arms test lint install services
+.PHONY: arms rehearsal test lint install services
 
 # Nothing is compiled at install: the first import writes the bytecode of what is used.
 $(VENV)/.installed: pyproject.toml
@@ -25,6 +25,15 @@ install: $(VENV)/.installed
 
 arms: install
 	snakemake --cores $(CORES) arms
+
+# The scale rehearsal: the whole chain at 60M and at 250M parameters on this machine's CPUs,
+# about 40 minutes on two cores (README, "Scale rehearsal"). benchmarks/rehearsal.py keeps
+# the inputs it has already written, so a second run reruns nothing that has not changed.
+rehearsal: install
+	$(PY) benchmarks/rehearsal.py --out rehearsal --sizes 60m 250m
+	snakemake --configfile config/rehearsal/60m.yaml --cores $(CORES) arms
+	snakemake --configfile config/rehearsal/250m.yaml --cores $(CORES) arms
+	$(PY) benchmarks/projections.py rehearsal/60m/results rehearsal/250m/results
 
 # Headless Chromium and the two-node Slurm cluster the suite tests against (root or sudo).
 services:

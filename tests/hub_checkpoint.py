@@ -34,6 +34,19 @@ MISTRAL_INSTRUCT_V01_TEMPLATE = (
     "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}"
     "{% endif %}{% endfor %}"
 )
+# Mistral's basic instruct template for its v2 and v3 tokenizers (Mistral-7B-Instruct-v0.3 and
+# later; mistralai/cookbook, concept-deep-dive/tokenization/templates.md): no space before
+# [/INST], and, like v0.1's, no system turn. mistral-common puts a system prompt before the
+# last user message with a blank line, which is what data.merge_system_into_user renders.
+MISTRAL_INSTRUCT_V3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + '[/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}"
+    "{% endif %}{% endfor %}"
+)
 # Small enough that both workflow chains train in seconds; embeddings and lm_head dominate.
 HUB_SIZES = {
     "hidden_size": 32,

@@ -106,6 +106,19 @@ def check_make_arms(command, tmp_path, finished_copy):
     assert "snakemake --cores 2 arms" in recipe.stdout, recipe.stdout
 
 
+def check_make_rehearsal(command, tmp_path, finished_copy):
+    # About 40 minutes on two cores: here, that the recipe writes the inputs, runs the chain
+    # at both sizes from their workflow configs, then compares measured with projected.
+    recipe = subprocess.run(["make", "-n", "rehearsal"], cwd=REPO, capture_output=True, text=True)
+    assert recipe.returncode == 0, recipe.stderr
+    assert "benchmarks/rehearsal.py --out rehearsal --sizes 60m 250m" in recipe.stdout
+    for size in ("60m", "250m"):
+        config = f"config/rehearsal/{size}.yaml"
+        assert f"snakemake --configfile {config} --cores 2 arms" in recipe.stdout, recipe.stdout
+        assert (REPO / config).is_file()
+    assert "projections.py rehearsal/60m/results rehearsal/250m/results" in recipe.stdout
+
+
 def check_make_test(command, tmp_path, finished_copy):
     # CI runs exactly this; here, that it brings the services up and requires them.
     recipe = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True)
@@ -227,6 +240,7 @@ def check_pip_extra(command, tmp_path, finished_copy):
 CHECKS = {
     "make arms": check_make_arms,
     "make test": check_make_test,
+    "make rehearsal": check_make_rehearsal,
     "snakemake --dry-run arms": check_dry_run_from_nothing,
     "snakemake --cores 2 arms --forcerun ref_cache": check_forcerun_after_a_finished_run,
     "snakemake --cores 2 arms --forcerun ref_cache --until ref_cache": (

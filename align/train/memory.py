@@ -291,6 +291,7 @@ class JobShape:
     seq_len: int
     activation_checkpointing: bool
     generation_rows: int  # prompts generated at once
+    prompt_tokens: int  # the longest prompt: data.max_prompt_tokens where it is set
     generation_tokens: int  # tokens each of them adds
     preflight: PreflightConfig
 
@@ -332,6 +333,7 @@ def job_shape(stage: str, cfg: Any, nodes: int = 1, seq_len: int = 0) -> JobShap
         seq_len=seq_len,
         activation_checkpointing=load.trains and cfg.trainer.activation_checkpointing,
         generation_rows=prompts,
+        prompt_tokens=getattr(data, "max_prompt_tokens", None) or seq_len,
         generation_tokens=new_tokens,
         preflight=getattr(cfg, "preflight", PreflightConfig()),
     )
@@ -519,7 +521,7 @@ def scoring_activation_bytes(
 def kv_cache_bytes(shape: JobShape, config: MistralConfig) -> float:
     """Keys and values of every layer for each generated prompt at its longest."""
     c = DTYPE_BYTES[shape.model.dtype]
-    positions = shape.seq_len + shape.generation_tokens
+    positions = shape.prompt_tokens + shape.generation_tokens
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * c
     return shape.generation_rows * positions * per_token
 
