@@ -424,9 +424,10 @@ class PreflightConfig:
 
     # Share of the node's memory the projected peak may fill: the rest is the OS's and caches'.
     host_memory_fraction: float = 0.9
-    # Each CPU rank's host runtime (interpreter, torch, gloo, allocator) outside the model's
-    # tensors: the constant term of the tiny default's measured DPO job (520 of its 1,304 MB).
-    cpu_rank_overhead_mb: float = 520.0
+    # Each CPU rank's host runtime outside the model's tensors (interpreter, torch, gloo and
+    # the kernels its first forward loads): 393 MiB measured at 57.7M parameters, 405 at the
+    # tiny default (a rank's RSS after loading, less its shard).
+    cpu_rank_overhead_mb: float = 410.0
     # Each CUDA rank's host runtime: torch with an NCCL group held 2,271 MiB after its first
     # CUDA call (pytorch/pytorch#106511), and Triton's compiler and bitsandbytes add to it.
     # benchmarks/gpu_check.sh measures it (rank_overhead.json): put its figure here.

@@ -11,6 +11,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -58,35 +59,55 @@ def launch(work: Path, marker: Path, script: Path, *args: str) -> subprocess.Com
     return subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=900)
 
 
+@dataclass(frozen=True)
+class Stage:
+    """A training stage as the test stops it: its script, receipt, run directory, marker."""
+
+    name: str
+    receipt: Path
+    run_dir: Path
+    marker: Path
+    policy: str  # the export, as the marker names it
+
+
+DPO = Stage("dpo", ARM.arm_result, ARM.run_dir, ARM.stop_marker, "argilla/policy")
+SFT = Stage("sft", PATHS.sft_receipt, PATHS.sft_run_dir, PATHS.sft_stop_marker, "sft/checkpoint")
+
+
+def stop_then_retry(finished: Path, work: Path, stage: Stage, phase: str) -> tuple[dict, dict]:
+    """On a copy of the finished run: the stage stopped in `phase`, then retried with
+    resume; (the uninterrupted receipt, the retry's), once the stop and retry are checked."""
+    for name in ("results", "resources"):
+        shutil.copytree(finished / name, work / name, symlinks=True)
+    uninterrupted = json.loads((work / stage.receipt).read_text())
+    args = stage_args(uninterrupted, stage.name)
+    (work / stage.receipt).unlink()
+
+    stopped = launch(work, stage.marker, DRIVER, stage.name, phase, *args)
+    assert stopped.returncode == RESUMABLE_STOP, stopped.stderr[-3000:]
+    marker = json.loads((work / stage.marker).read_text())
+    assert marker == {"phase": phase, "checkpoint": stage.policy, "reason": "signal SIGTERM"}
+    assert (work / trained_record_in(stage.run_dir)).is_file()
+    metrics = (work / metrics_in(stage.run_dir)).read_bytes()
+
+    retry = [arg for arg in args if not arg.startswith("--trainer.resume=")]
+    script = REPO / "workflow" / "scripts" / f"{stage.name}.py"
+    resumed = launch(work, stage.marker, script, *retry, "--trainer.resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "training recorded; evaluating the exported" in resumed.stderr
+    assert (work / metrics_in(stage.run_dir)).read_bytes() == metrics  # no step trained again
+    assert not (work / stage.marker).exists()
+    result = json.loads((work / stage.receipt).read_text())
+    assert result["figures"]["evaluation_resumed_after"] == marker
+    assert result["outputs"] == uninterrupted["outputs"]
+    return uninterrupted, result
+
+
 @pytest.mark.parametrize("phase", ["export", "evaluate"])
 def test_a_stop_after_training_exits_75_and_the_retry_evaluates_the_export_to_the_same_result(
     finished_workflow, tmp_path, phase
 ):
-    work = tmp_path / "work"
-    for name in ("results", "resources"):
-        shutil.copytree(finished_workflow / name, work / name, symlinks=True)
-    uninterrupted = json.loads((work / ARM.arm_result).read_text())
-    args = stage_args(uninterrupted, "dpo")
-    (work / ARM.arm_result).unlink()
-
-    stopped = launch(work, ARM.stop_marker, DRIVER, "dpo", phase, *args)
-    assert stopped.returncode == RESUMABLE_STOP, stopped.stderr[-3000:]
-    marker = json.loads((work / ARM.stop_marker).read_text())
-    assert marker == {"phase": phase, "checkpoint": "argilla/policy", "reason": "signal SIGTERM"}
-    assert (work / trained_record_in(ARM.run_dir)).is_file()
-    metrics = (work / ARM.metrics).read_bytes()
-
-    retry = [arg for arg in args if not arg.startswith("--trainer.resume=")]
-    resumed = launch(
-        work, ARM.stop_marker, REPO / "workflow/scripts/dpo.py", *retry, "--trainer.resume=true"
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "training recorded; evaluating the exported" in resumed.stderr
-    assert (work / ARM.metrics).read_bytes() == metrics  # no step trained again
-    assert not (work / ARM.stop_marker).exists()
-    result = json.loads((work / ARM.arm_result).read_text())
-    assert result["figures"]["evaluation_resumed_after"] == marker
-    assert result["outputs"] == uninterrupted["outputs"]
+    uninterrupted, result = stop_then_retry(finished_workflow, tmp_path / "work", DPO, phase)
     for key in ("held_out", "training", "final_config", "generation"):
         assert without_timings(result["figures"][key]) == without_timings(
             uninterrupted["figures"][key]
@@ -98,35 +119,7 @@ def test_a_stop_after_training_exits_75_and_the_retry_evaluates_the_export_to_th
 def test_a_stop_after_sft_training_exits_75_and_the_retry_evaluates_the_export_to_the_same_nll(
     finished_workflow, tmp_path, phase
 ):
-    work = tmp_path / "work"
-    for name in ("results", "resources"):
-        shutil.copytree(finished_workflow / name, work / name, symlinks=True)
-    uninterrupted = json.loads((work / PATHS.sft_receipt).read_text())
-    args = stage_args(uninterrupted, "sft")
-    (work / PATHS.sft_receipt).unlink()
-
-    stopped = launch(work, PATHS.sft_stop_marker, DRIVER, "sft", phase, *args)
-    assert stopped.returncode == RESUMABLE_STOP, stopped.stderr[-3000:]
-    marker = json.loads((work / PATHS.sft_stop_marker).read_text())
-    assert marker == {"phase": phase, "checkpoint": "sft/checkpoint", "reason": "signal SIGTERM"}
-    assert (work / trained_record_in(PATHS.sft_run_dir)).is_file()
-    metrics = (work / metrics_in(PATHS.sft_run_dir)).read_bytes()
-
-    retry = [arg for arg in args if not arg.startswith("--trainer.resume=")]
-    resumed = launch(
-        work,
-        PATHS.sft_stop_marker,
-        REPO / "workflow/scripts/sft.py",
-        *retry,
-        "--trainer.resume=true",
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "training recorded; evaluating the exported" in resumed.stderr
-    assert (work / metrics_in(PATHS.sft_run_dir)).read_bytes() == metrics  # nothing retrained
-    assert not (work / PATHS.sft_stop_marker).exists()
-    result = json.loads((work / PATHS.sft_receipt).read_text())
-    assert result["figures"]["evaluation_resumed_after"] == marker
-    assert result["outputs"] == uninterrupted["outputs"]
+    uninterrupted, result = stop_then_retry(finished_workflow, tmp_path / "work", SFT, phase)
     assert result["figures"]["held_nll"] == uninterrupted["figures"]["held_nll"]
     assert without_timings(result["figures"]["training"]) == without_timings(
         uninterrupted["figures"]["training"]
