@@ -1,0 +1,81 @@
+"""Every model-loading stage of the finished default run records its phases: wall clock,
+each rank's host peak and the launcher's, the job's sum beside that phase's projection,
+the probe's projected training time beside DPO's, and checkpoint saves timed; and
+benchmarks/projections.py reads them all back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from align.paths import RunPaths
+from align.receipts import read_json
+
+REPO = Path(__file__).resolve().parents[1]
+PATHS = RunPaths.of("results")
+pytestmark = pytest.mark.slow
+
+
+def model_loading_receipts(work: Path) -> dict[str, dict]:
+    arm = PATHS.arm("argilla")
+    ref = next((work / arm.root / "ref").glob("*/receipt.json"))
+    found = {
+        "sft": PATHS.sft_receipt,
+        "sft_gate": PATHS.sft_gate,
+        "ref_cache": ref.relative_to(work),
+        "path_bias": arm.path_bias,
+        "probe": arm.probe,
+        "dpo": arm.arm_result,
+        "select_arms": PATHS.selection,
+    }
+    return {stage: read_json(work / path) for stage, path in found.items()}
+
+
+EXPECTED_PHASES = {
+    "sft": {"load", "train", "export", "evaluate"},
+    "sft_gate": {"load", "evaluate"},
+    "ref_cache": {"load", "evaluate"},
+    "path_bias": {"load", "evaluate"},
+    "probe": {"load", "train"},
+    "dpo": {"load", "train", "export", "evaluate"},
+    "select_arms": {"load", "evaluate"},
+}
+
+
+def test_every_model_loading_receipt_sets_each_phase_beside_its_projection(finished_workflow):
+    for stage, receipt in model_loading_receipts(finished_workflow).items():
+        phases = receipt["phases"]
+        assert set(phases) == EXPECTED_PHASES[stage], stage
+        launched = stage not in ("sft_gate", "select_arms")
+        for name, phase in phases.items():
+            ranks = phase["rank_host_peak_mb"]
+            assert len(ranks) == (2 if launched else 1) and min(ranks) > 100, (stage, name)
+            # The launcher (torchrun's agent with torch imported) is the job's too.
+            assert (phase["launcher_peak_mb"] > 100) == launched, (stage, name)
+            assert phase["host_peak_mb"] == sum(ranks) + phase["launcher_peak_mb"]
+            assert phase["projected_host_mb"] == receipt["projection"]["phases"][name]["total_mb"]
+            assert phase["host_ratio"] == phase["host_peak_mb"] / phase["projected_host_mb"]
+            assert phase["wall_s"] > 0
+    receipts = model_loading_receipts(finished_workflow)
+    train = receipts["dpo"]["phases"]["train"]
+    assert train["projected_wall_s"] == receipts["probe"]["figures"]["projected_wall_s"]
+    assert train["wall_ratio"] == train["wall_s"] / train["projected_wall_s"]
+    # The default saves no periodic checkpoint; the probe times the one it saves.
+    assert receipts["dpo"]["figures"]["training"]["checkpoint_save_s"] == []
+    assert receipts["probe"]["figures"]["checkpoint_s"] > 0
+
+
+def test_projections_benchmark_reads_back_every_phase(finished_workflow):
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "projections.py"), "results"],
+        cwd=finished_workflow,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode in (0, 1), run.stderr
+    for label in ("sft", "sft_gate", "ref_cache", "path_bias", "probe", "dpo", "select_arms"):
+        assert f"  {label}" in run.stdout, label
+    assert "figure(s) outside the goals" in run.stdout
