@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from align.stages.dpo import rank_device_peaks
 from align.train.phases import PhaseMeter, status_mb
-from align.train.probes import probe_figures
+from align.train.probes import Beside, probe_figures
 
 PEAKS_MB = (100.0, 300.0)
 PROJECTED_MB = 250.0
@@ -97,3 +97,15 @@ def test_a_phase_does_not_inherit_the_heap_the_last_one_freed():
         pass
     assert meter.phases["evaluate"].host_start_mb < baseline + 20
     assert last.sum() == 8000
+
+
+def test_the_projected_wall_counts_the_saves_and_generation_checks_a_run_makes():
+    """10 optimizer steps, a save every 4 (after steps 4 and 8), a generation check before
+    training and every 3 steps (3, 6, 9) and at the end (10): 2 saves, 5 checks."""
+    beside = Beside(checkpoint_s=2.0, checkpoint_every=4, generation_s=3.0, generation_every=3)
+    figures = probe_figures([9.0, 1.0, 1.0], [10.0, 20.0, 20.0], 6, 10, 1.0, [], None, beside)
+    assert (figures["checkpoint_saves"], figures["generation_checks"]) == (2, 5)
+    assert figures["projected_steps_s"] == 10.0
+    assert figures["projected_wall_s"] == 10.0 + 2 * 2.0 + 5 * 3.0
+    unarmed = Beside(2.0, 0, None, 3)
+    assert probe_figures([1.0], [1.0], 1, 10, 1.0, [], None, unarmed)["projected_wall_s"] == 10.0

@@ -36,7 +36,7 @@ from align.train.adapters import DpoAdapter
 from align.train.path_bias import TrainingPath
 from align.train.phases import PhaseMeter
 from align.train.precision import describe as describe_precision
-from align.train.probes import probe_figures
+from align.train.probes import Beside, probe_figures
 from align.train.ref_cache import load_ref_cache
 from align.train.session import build_trainer, export_policy, load_policy, start_session
 from align.train.tripwires import Alarm, Tripwires, describe_alarm
@@ -87,11 +87,18 @@ def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInf
         cfg.trainer, max_micro_steps=cfg.trainer.probe_steps, resume=False, checkpoint_every=0
     )
     meter = PhaseMeter(cfg.run.device)
-    info, _, _, model, trainer = _setup(cfg, ctx, ctx.arm.probe_run_dir, probe_cfg, meter)
+    info, shards, _, model, trainer = _setup(cfg, ctx, ctx.arm.probe_run_dir, probe_cfg, meter)
     tokens_per_s: list[float] = []
     with meter.phase("train"):
         trainer.fit(on_step=lambda m: tokens_per_s.append(m["tokens_per_s"]))
         checkpoint_s = timed_save(trainer)
+        generation_s = timed_generation_check(cfg, ctx, shards["held"], model, info)
+    beside = Beside(
+        checkpoint_s,
+        cfg.trainer.checkpoint_every,
+        generation_s,
+        cfg.tripwires.generation_every_steps,
+    )
     # The job's peak is its fullest phase's; every rank's device peak is the training one.
     rss = meter.job_host_peak_mb()
     device_peaks = rank_device_peaks(local_device_peak_mb(info))
@@ -104,6 +111,7 @@ def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInf
         rss,
         device_peaks,
         projected,
+        beside,
     )
     placed = {"precision": model.precision, "devices": list(info.devices)}
     path = TrainingPath.of_model(model, cfg.batch.micro_batch, cfg.batch.share_prompt)
@@ -114,6 +122,17 @@ def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInf
         **placed,
         "phases": meter.report(ctx.projection.figures),
     }, info
+
+
+def timed_generation_check(cfg: ArmConfig, ctx: GateContext, held, model, info) -> float | None:
+    """Seconds of one generation check as training runs it (None: the wire is unarmed)."""
+    if not cfg.tripwires.generation:
+        return None
+    schedule = GenerationSchedule.of(cfg, held, ctx.entry.pins)
+    started = time.perf_counter()
+    schedule.run(model, info, 0)
+    barrier()
+    return time.perf_counter() - started
 
 
 def timed_save(trainer) -> float:

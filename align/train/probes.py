@@ -1,5 +1,6 @@
 """The throughput probe's figures (no torch): step time, tokens/s, measured peaks, and the
-wall-clock they project for the whole training run.
+wall-clock they project for the whole training run: its steps, its checkpoint saves and its
+generation checks.
 
 The memory the probe measures is set against the preflight's projections
 (align.train.memory): peak RSS of the job, and each rank's device peak against the
@@ -9,7 +10,33 @@ projected allocator share of one GPU.
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Beside:
+    """What a training run does besides its steps, timed once by the probe: a checkpoint
+    save every `checkpoint_every` optimizer steps, and the generation check before
+    training, every `generation_every` steps and at the end (none when unarmed)."""
+
+    checkpoint_s: float
+    checkpoint_every: int
+    generation_s: float | None
+    generation_every: int
+
+    def count(self, horizon: int) -> dict[str, int]:
+        saves = horizon // self.checkpoint_every if self.checkpoint_every else 0
+        checks = 0
+        if self.generation_s is not None:
+            every = self.generation_every
+            checks = 1 + sum(1 for s in range(1, horizon + 1) if s % every == 0 or s == horizon)
+        return {"checkpoint_saves": saves, "generation_checks": checks}
+
+    def seconds(self, horizon: int) -> float:
+        counts = self.count(horizon)
+        saves = counts["checkpoint_saves"] * self.checkpoint_s
+        return saves + counts["generation_checks"] * (self.generation_s or 0.0)
 
 
 def probe_figures(
@@ -20,9 +47,11 @@ def probe_figures(
     peak_rss_mb: float,
     device_peaks_mb: list[float],
     projected_device_mb: float | None,
+    beside: Beside | None = None,
 ) -> dict[str, Any]:
-    """Median step time and the wall-clock it projects; the largest rank's device peak
-    (torch.cuda.max_memory_allocated), every rank's, and the largest over the projection."""
+    """Median step time and the wall-clock it projects (the steps, and what the run does
+    beside them); the largest rank's device peak (torch.cuda.max_memory_allocated), every
+    rank's, and the largest over the projection."""
     if not step_times:
         raise ValueError("the probe ran no optimizer step: nothing was measured")
     # The first step pays one-off costs (allocator warm-up, lazy init); it is not typical.
@@ -43,5 +72,9 @@ def probe_figures(
             else None
         ),
         "horizon_steps": horizon_steps,
-        "projected_wall_s": median * horizon_steps,
+        **(beside.count(horizon_steps) if beside else {}),
+        "generation_check_s": beside.generation_s if beside else None,
+        "projected_steps_s": median * horizon_steps,
+        "projected_wall_s": median * horizon_steps
+        + (beside.seconds(horizon_steps) if beside else 0.0),
     }
