@@ -418,18 +418,24 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
             else shape.nodes * shape.preflight.launcher_overhead_mb * MIB
         ),
     }
-    # Rank 0 reads the whole checkpoint in its stored dtype and casts it to the master dtype;
-    # every other rank receives the broadcast one full tensor at a time, the largest an
-    # embedding matrix.
-    stored, full_master = verified.stored_bytes, counts["total"] * master
-    staging = stored + (full_master if stored != full_master else 0)
-    largest_tensor = config.vocab_size * config.hidden_size * master
-    receive = (world - 1) * largest_tensor
     # FSDP keeps the root (embedding, final norm, lm_head) gathered in the compute dtype
-    # from a forward to the end of its backward, or, without one, until it is resharded:
-    # through load's read-back forward and every scoring or generating phase.
-    root = world * counts["root"] * compute if on_cpu else 0.0
-    phases = {"load": {**common, **load_transient(staging, receive, root, on_cpu)}}
+    # from a forward to the end of its backward, or, without one, until it is resharded;
+    # a forward gathers each layer in turn beside the one it prefetches.
+    root_rank = counts["root"] * compute if on_cpu else 0.0
+    layers_rank = 2 * counts["layer"] * compute if on_cpu else 0.0
+    root, layers = world * root_rank, world * layers_rank
+    stored, full_master = verified.stored_bytes, counts["total"] * master
+    largest_tensor = config.vocab_size * config.hidden_size * master
+    loading = load_transient(
+        world,
+        # Rank 0 reads the checkpoint in its stored dtype and casts it to the master dtype.
+        staging=stored + (full_master if stored != full_master else 0),
+        # Every other rank receives the broadcast one full tensor at a time.
+        receive=largest_tensor if on_cpu else 0.0,
+        # The read-back forward's all-gather output beside the unsharded root it fills.
+        readback=2 * root_rank + layers_rank,
+    )
+    phases = {"load": {**common, **loading}}
     if load.trains:
         phases["train"] = {
             **common,
@@ -439,7 +445,7 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
                 if on_cpu
                 else 0.0
             ),
-            "gathered_layers": world * 2 * counts["layer"] * compute if on_cpu else 0.0,
+            "gathered_layers": layers,
             "gathered_root": root,
             "root_gradients": root,
             "activations": world * cpu_training_activations(shape, config) if on_cpu else 0.0,
@@ -465,8 +471,8 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
             **common,
             "second_policy": weights,
             **larger(
-                {"gathered_root": root, **load_transient(staging, receive, root, on_cpu)},
-                {"gathered_root": 2 * root, "activations": scoring},
+                {"gathered_root": root, **loading},
+                {"gathered_root": 2 * root, "gathered_layers": layers, "activations": scoring},
             ),
         }
     elif "evaluate" in load.phases:
@@ -474,6 +480,7 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
         phases["evaluate"] = {
             **common,
             "gathered_root": root,
+            "gathered_layers": layers,
             **larger({"activations": scoring}, {"kv_cache": kv_cache}),
         }
     return {name: phases[name] for name in load.phases}
@@ -484,13 +491,15 @@ def larger(*moments: dict[str, float]) -> dict[str, float]:
     return max(moments, key=lambda terms: sum(terms.values()))
 
 
-def load_transient(staging: float, receive: float, root: float, on_cpu: bool) -> dict:
-    """What loading a policy adds for a while, the larger of two moments: rank 0 holding the
-    checkpoint as read and cast while every other rank receives one broadcast tensor, then
-    every rank's read-back forward gathering the root (FSDP's all-gather output beside the
-    unsharded parameters it fills)."""
-    staged = {"load_staging_rank0": staging, "broadcast_receive": receive if on_cpu else 0.0}
-    return larger(staged, {"readback_gather": 2 * root})
+def load_transient(world: int, staging: float, receive: float, readback: float) -> dict:
+    """What loading a policy adds for a while, summed over ranks as each rank's peak: rank
+    0's is the larger of its staging copy and the read-back forward, every other rank's the
+    larger of the tensor it receives and that forward (each rank meets them at its own time)."""
+    return {
+        "readback_gather": world * readback,
+        "load_staging_rank0": max(0.0, staging - readback),
+        "broadcast_receive": (world - 1) * max(0.0, receive - readback),
+    }
 
 
 def rank_overhead_mb(preflight: PreflightConfig, device: str) -> float:
