@@ -63,3 +63,7 @@ SELECTION_RULES = ("paired_accuracy",)
 # The smallest vocabulary the byte-level BPE of align.model.tokenizer trains: 256 bytes + 4
 # special tokens (the tiny default's vocab_size).
 MIN_VOCAB_SIZE = 260
+
+# Set by align.launch for the workers it starts: its pid, whose memory a stage counts as
+# the job's (align.train.phases).
+LAUNCHER_PID_ENV = "ALIGN_LAUNCHER_PID"

@@ -31,14 +31,13 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from align.constants import LAUNCHER_PID_ENV
 from align.exit_codes import INTERNAL, RESUMABLE_STOP
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 # Rendezvous ports derived from a Slurm job id fall in [BASE, BASE + SPAN).
 RDZV_PORT_BASE, RDZV_PORT_SPAN = 29500, 20000
-# Set for the workers: the launcher's pid, whose memory a stage counts as the job's.
-LAUNCHER_PID_ENV = "ALIGN_LAUNCHER_PID"
 # The rendezvous store's count of node launchers that have ended.
 NODES_ENDED_KEY = "align.launch/nodes_ended"
 # How long a node that has ended waits to reach the store host to say so.

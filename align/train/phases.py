@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from align.launch import LAUNCHER_PID_ENV
+from align.constants import LAUNCHER_PID_ENV
 from align.utils.dist import all_gather_floats
 from align.utils.heap import release_freed_memory
 
