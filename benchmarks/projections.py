@@ -9,6 +9,10 @@ the phase's wall clock, over the probe's projection for DPO training. It also se
 Snakemake's benchmark max_rss of each job beside the projection's largest phase, and
 each checkpoint save against the probe's timed one.
 
+With --current, each phase's host projection is made again by the memory model as it
+stands (align.train.memory, from each receipt's config and the run's checkpoint), so a
+change to the model can be judged against what a past rehearsal measured.
+
 Goals (the scale rehearsal): host peak between 0.85x and 1.0x of its projection, wall
 clock within 25%. A row outside them is marked; the exit status is 1 when any is.
 """
@@ -35,13 +39,16 @@ def receipts(results: Path) -> list[tuple[str, Path, dict]]:
         except (json.JSONDecodeError, UnicodeDecodeError):
             continue
         if isinstance(receipt, dict) and isinstance(receipt.get("phases"), dict):
-            found.append((label_of(receipt), path, receipt))
+            found.append((label_of(receipt, path.relative_to(results)), path, receipt))
     return found
 
 
-def label_of(receipt: dict) -> str:
+def label_of(receipt: dict, relative: Path) -> str:
+    """The stage, with its arm for an arm's job (its receipt, or the arm's directory)."""
     stage = receipt["stage"]
-    return f"{stage}:{receipt['arm']}" if receipt.get("arm") else stage
+    in_arm = len(relative.parts) > 1 and relative.parts[0] != "sft"
+    arm = receipt.get("arm") or (relative.parts[0] if in_arm else None)
+    return f"{stage}:{arm}" if arm else stage
 
 
 def model_size(results: Path) -> str:
@@ -62,6 +69,45 @@ def benchmark_max_rss(results: Path, receipt_path: Path, stage: str) -> float | 
         return None
     rows = list(csv.DictReader(named[0].open(), delimiter="\t"))
     return float(rows[-1]["max_rss"]) if rows and rows[-1]["max_rss"] != "NA" else None
+
+
+def current_projection(results: Path, receipt: dict, arm_configs: list) -> dict:
+    """The stage's projection by today's memory model, for the config its receipt ran."""
+    from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
+    from align.paths import RunPaths
+    from align.train.memory import job_shape, projected_job_rss, selection_seq_len, stage_nodes
+
+    stage = receipt["stage"]
+    config_class = {"sft": SftConfig, "sft_gate": SftConfig, "select_arms": SelectionConfig}
+    overrides = [f"--{key}={value}" for key, value in (receipt.get("overrides") or {}).items()]
+    source = Path(receipt["config_source"][0])
+    cfg = load_config(source, config_class.get(stage, ArmConfig), overrides).cfg
+    if stage == "sft":
+        checkpoint = Path(cfg.run.base_model)
+    else:
+        checkpoint = Path(cfg.run.sft_checkpoint or RunPaths.of(results).sft_checkpoint)
+    seq_len = selection_seq_len(arm_configs) if stage == "select_arms" else 0
+    projected = "dpo" if stage == "probe" else stage
+    shape = job_shape(projected, cfg, stage_nodes(projected, cfg), seq_len)
+    return projected_job_rss(shape, checkpoint, 0)
+
+
+def with_current_projections(results: Path, found: list[tuple[str, Path, dict]]) -> None:
+    """Each phase's projected figures replaced by today's model's (in place)."""
+    from align.config import ArmConfig, load_config
+
+    arm_configs = [
+        load_config(Path(r["config_source"][0]), ArmConfig).cfg
+        for _, _, r in found
+        if r["stage"] == "dpo"
+    ]
+    for _, _, receipt in found:
+        projection = current_projection(results, receipt, arm_configs)
+        for name, phase in receipt["phases"].items():
+            expected = projection["phases"][name]
+            phase["projected_host_mb"] = expected["total_mb"]
+            phase["projected_terms_mb"] = expected["terms_mb"]
+            phase["host_ratio"] = phase["host_peak_mb"] / expected["total_mb"]
 
 
 def ratio_mark(value: float, low: float, high: float) -> str:
@@ -90,7 +136,7 @@ def phase_rows(receipt: dict) -> list[str]:
                 "              terms "
                 + ", ".join(f"{term} {mb:.0f}" for term, mb in terms.items() if mb >= 0.5)
             )
-        rank0 = [t for t in terms if t.endswith("_rank0")]
+        rank0 = [t for t in terms if t.endswith("_rank0") and terms[t] >= 0.5]
         peaks = phase["rank_host_peak_mb"]
         if rank0 and len(peaks) > 1:
             measured = peaks[0] - statistics.median(peaks[1:])
@@ -127,10 +173,12 @@ def checkpoint_rows(receipt: dict, probe_save_s: float | None) -> list[str]:
     return [line]
 
 
-def report(results: Path) -> tuple[list[str], int]:
+def report(results: Path, current: bool = False) -> tuple[list[str], int]:
     lines = [f"== {results} ({model_size(results)})"]
     outside = 0
     found = receipts(results)
+    if current:
+        with_current_projections(results, found)
     probe_saves = {
         r.get("arm"): (r.get("figures") or {}).get("checkpoint_s")
         for _, _, r in found
@@ -165,13 +213,16 @@ def report(results: Path) -> tuple[list[str], int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path, help="results directories of runs")
+    parser.add_argument(
+        "--current", action="store_true", help="project again with today's memory model"
+    )
     args = parser.parse_args(argv)
     outside = 0
     for results in args.results:
         if not results.is_dir():
             print(f"projections: {results}: no such results directory", file=sys.stderr)
             return 2
-        lines, off = report(results)
+        lines, off = report(results, args.current)
         outside += off
         print("\n".join(lines))
     print(

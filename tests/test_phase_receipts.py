@@ -68,14 +68,19 @@ def test_every_model_loading_receipt_sets_each_phase_beside_its_projection(finis
     assert receipts["probe"]["figures"]["checkpoint_s"] > 0
 
 
-def test_projections_benchmark_reads_back_every_phase(finished_workflow):
+@pytest.mark.parametrize("mode", [(), ("--current",)])
+def test_projections_benchmark_reads_back_every_phase(finished_workflow, mode):
+    """As the receipts projected, and projected again by the memory model as it stands."""
     run = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "projections.py"), "results"],
+        [sys.executable, str(REPO / "benchmarks" / "projections.py"), *mode, "results"],
         cwd=finished_workflow,
         capture_output=True,
         text=True,
     )
     assert run.returncode in (0, 1), run.stderr
-    for label in ("sft", "sft_gate", "ref_cache", "path_bias", "probe", "dpo", "select_arms"):
-        assert f"  {label}" in run.stdout, label
+    for label in ("sft", "sft_gate", "ref_cache:argilla", "path_bias:argilla", "probe:argilla"):
+        assert f"  {label}  (" in run.stdout, label
+    for label in ("dpo:steppairs", "select_arms"):
+        assert f"  {label}  (" in run.stdout, label
+    assert run.stdout.count(" MiB = ") >= 2 + 2 + 2 + 2 + 2 * 2 + 2 * 4 + 2
     assert "figure(s) outside the goals" in run.stdout
