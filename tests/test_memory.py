@@ -242,3 +242,13 @@ def test_a_stage_whose_config_names_no_row_length_must_be_given_one():
     with pytest.raises(ValueError, match="select_arms: its config names no seq_len"):
         job_shape("select_arms", SelectionConfig())
     assert job_shape("select_arms", SelectionConfig(), seq_len=1024).seq_len == 1024
+
+
+def test_a_cuda_stage_on_a_host_without_cuda_is_refused_saying_so(planned):
+    """Every model-loading stage checks its device before it loads: on a node without the
+    GPUs it was sent for, the refusal names the cause, not only the missing setting."""
+    from align.train.memory import check_stage_rss
+
+    cfg = cpu_arm("--run.device=cuda", "--run.node_memory_mb=10000000")
+    with pytest.raises(PreflightRefused, match="CUDA is not available on this host"):
+        check_stage_rss("path_bias", cfg, planned)

@@ -215,8 +215,9 @@ def device_memory_mb(preflight: PreflightConfig) -> tuple[float, str]:
 
     if not torch.cuda.is_available():
         raise PreflightRefused(
-            "run.device = 'cuda' but no GPU is visible here to read its memory from: "
-            "pre-register preflight.device_memory_gb (the per-GPU memory of the target node)"
+            "run.device = 'cuda' but CUDA is not available on this host to read the GPU's "
+            "memory from: run where the GPUs are, or pre-register preflight.device_memory_gb "
+            "(the per-GPU memory of the target node) to project from this one"
         )
     index = int(os.environ.get("LOCAL_RANK", "0"))
     # Device properties need no CUDA context, so no rank lands a context on another's GPU.
