@@ -157,11 +157,7 @@ def projected_device_phases(shape: JobShape, checkpoint: str | Path) -> dict[str
         largest = config.vocab_size * config.hidden_size * m
         phases["export"] = {**steady, "gathered_tensor": largest}
     if "evaluate" in load.phases:
-        rows, tokens = (
-            (shape.eval_rows, shape.eval_row_tokens)
-            if load.trains
-            else (shape.rows, shape.row_tokens)
-        )
+        rows, tokens = (shape.eval_rows if load.trains else shape.rows), shape.row_tokens
         policies = 2 if load.second_policy else 1
         phases["evaluate"] = {
             **steady,
@@ -287,8 +283,7 @@ class JobShape:
     optimizer: str
     rows: int  # rows of one training forward (a training stage) or one scoring forward
     row_tokens: int  # their length: seq_len, or 2 x seq_len for prefix-shared pair rows
-    eval_rows: int  # rows of one held-out scoring forward after training
-    eval_row_tokens: int
+    eval_rows: int  # rows of one held-out scoring forward after training, as long
     seq_len: int
     activation_checkpointing: bool
     generation_rows: int  # prompts generated at once
@@ -330,7 +325,6 @@ def job_shape(stage: str, cfg: Any, nodes: int = 1, seq_len: int = 0) -> JobShap
         rows=rows,
         row_tokens=length,
         eval_rows=eval_rows,
-        eval_row_tokens=length,
         seq_len=seq_len,
         activation_checkpointing=load.trains and cfg.trainer.activation_checkpointing,
         generation_rows=prompts,
@@ -460,9 +454,7 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
             "export_transfer": 2 * world * largest_tensor if on_cpu else 0.0,
             "export_gather_rank0": full_master,
         }
-    rows, tokens = (
-        (shape.eval_rows, shape.eval_row_tokens) if load.trains else (shape.rows, shape.row_tokens)
-    )
+    rows, tokens = (shape.eval_rows if load.trains else shape.rows), shape.row_tokens
     scoring = world * cpu_scoring_activations(shape, config, rows, tokens) if on_cpu else 0.0
     kv_cache = world * kv_cache_bytes(shape, config) if on_cpu else 0.0
     if load.second_policy:
