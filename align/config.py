@@ -428,6 +428,10 @@ class PreflightConfig:
     # the kernels its first forward loads): 393 MiB measured at 57.7M parameters, 405 at the
     # tiny default (a rank's RSS after loading, less its shard).
     cpu_rank_overhead_mb: float = 410.0
+    # What a rank of sft, sft_gate or select_arms adds by reading rows in-process (pyarrow and
+    # the tokenizer, or the arms' union eval set): their load phases start 59-63 MiB above
+    # the built-shard stages' at 57.7M and 258M parameters (the scale rehearsal).
+    row_reader_overhead_mb: float = 64.0
     # Each CUDA rank's host runtime: torch with an NCCL group held 2,271 MiB after its first
     # CUDA call (pytorch/pytorch#106511), and Triton's compiler and bitsandbytes add to it.
     # benchmarks/gpu_check.sh measures it (rank_overhead.json): put its figure here.
@@ -473,6 +477,7 @@ class PreflightConfig:
                 True,
             ),
             non_negative("cpu_rank_overhead_mb", self.cpu_rank_overhead_mb),
+            non_negative("row_reader_overhead_mb", self.row_reader_overhead_mb),
             non_negative("cuda_rank_overhead_mb", self.cuda_rank_overhead_mb),
             non_negative("launcher_overhead_mb", self.launcher_overhead_mb),
             Check(

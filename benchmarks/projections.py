@@ -74,7 +74,8 @@ def benchmark_max_rss(results: Path, receipt_path: Path, stage: str) -> float | 
 def current_projection(results: Path, receipt: dict, arm_configs: list) -> dict:
     """The stage's projection by today's memory model, for the config its receipt ran."""
     from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
-    from align.paths import RunPaths
+    from align.data.shards import RowWidths
+    from align.paths import SPLITS, RunPaths
     from align.train.memory import job_shape, projected_job_rss, selection_seq_len, stage_nodes
 
     stage = receipt["stage"]
@@ -86,10 +87,18 @@ def current_projection(results: Path, receipt: dict, arm_configs: list) -> dict:
         checkpoint = Path(cfg.run.base_model)
     else:
         checkpoint = Path(cfg.run.sft_checkpoint or RunPaths.of(results).sft_checkpoint)
+    run = RunPaths.of(results)
+    if stage == "select_arms":
+        shards = [run.arm(arm.arm).shard("held") for arm in arm_configs]
+    elif stage in ("sft", "sft_gate"):
+        shards = []
+    else:
+        shards = [run.arm(cfg.arm).shard(split) for split in SPLITS]
     seq_len = selection_seq_len(arm_configs) if stage == "select_arms" else 0
     projected = "dpo" if stage == "probe" else stage
-    shape = job_shape(projected, cfg, stage_nodes(projected, cfg), seq_len)
-    return projected_job_rss(shape, checkpoint, 0)
+    nodes = stage_nodes(projected, cfg)
+    shape = job_shape(projected, cfg, nodes, seq_len, RowWidths.of(shards))
+    return projected_job_rss(shape, checkpoint, sum(path.stat().st_size for path in shards))
 
 
 def with_current_projections(results: Path, found: list[tuple[str, Path, dict]]) -> None:

@@ -12,6 +12,7 @@ from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 
 from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
+from align.data.shards import RowWidths
 from align.exit_codes import ConfigError
 from align.topology import Topology, topology
 from align.train.memory import job_shape, projected_job_rss, selection_seq_len
@@ -19,6 +20,7 @@ from align.model.checkpoint_files import checkpoint_files, planned_checkpoint_fi
 from align.paths import SPLITS, ReportPaths, RunPaths, SelectionPaths
 from align.receipts import read_json
 from align.report.summary import selection_labels
+from align.stages.select import UNION
 from align.train.path_bias import required_forward_impl
 from align.train.ref_cache import parse_forward_impl, ref_forward_impl
 
@@ -142,6 +144,15 @@ def checkpoint_inputs(directory):
 
 def arm_shards(arm):
     return [PATHS.arm(arm).shard(split) for split in SPLITS]
+
+
+def selection_shards(wildcards):
+    """The pair shards selection's eval set is built from: each arm's held-out shard, or
+    the one file paired.eval_set names."""
+    eval_set = selection_cfg_of(wildcards).paired.eval_set
+    if eval_set == UNION:
+        return [PATHS.arm(arm).shard("held") for arm in ARMS]
+    return [eval_set]
 
 
 def preregistered_ref_caches(wildcards):
@@ -455,7 +466,8 @@ def projected_mem_mb(
     the stage (staging, export, shards, runtime; on the CPU the model itself) on its
     fullest node. The checkpoint's own config sizes it once the checkpoint exists, the base
     model's (the same architecture) before; the default stands in when neither does.
-    `shards(wildcards)`: the data shards the job reads, counted once they exist;
+    `shards(wildcards)`: the pair shards the job reads, their bytes and longest rows
+    counted once they exist;
     `seq_len()`: the row length of a stage whose config names none."""
 
     def mem_mb(wildcards, attempt):
@@ -465,10 +477,10 @@ def projected_mem_mb(
         ]
         if not found:
             return default_mem_mb(wildcards, attempt)
-        shard_bytes = sum(
-            Path(p).stat().st_size for p in shards(wildcards) if Path(p).is_file()
-        )
-        shape = job_shape(stage, cfg(wildcards), topo.nodes, seq_len())
+        present = [Path(p) for p in shards(wildcards) if Path(p).is_file()]
+        shard_bytes = sum(p.stat().st_size for p in present)
+        widths = RowWidths.of(present)
+        shape = job_shape(stage, cfg(wildcards), topo.nodes, seq_len(), widths)
         projection = projected_job_rss(shape, found[0], shard_bytes)
         return rss_mem_mb(projection["node_mb"], attempt)
 

@@ -33,6 +33,7 @@ rule select_arms:
             selection_cfg_of,
             selection_layout,
             sft_checkpoint(),
+            selection_shards,
             seq_len=lambda: selection_seq_len([arm_cfg(arm) for arm in ARMS]),
         ),
         runtime=default_runtime,

@@ -12,11 +12,12 @@ from safetensors.numpy import load_file
 
 from align.data.loader import (
     collate_preference,
+    collate_shared_prompt,
     make_preference_sampler,
     preference_dataset,
 )
 from align.data.sampler import TokenBudgetSampler, pack_by_tokens, split_to_multiple
-from align.data.shards import PAIR_FORMAT, pair_arrays, read_shard, write_shard
+from align.data.shards import PAIR_FORMAT, RowWidths, pair_arrays, read_shard, write_shard
 from align.data.tokenize import TokenizedPair
 from align.exit_codes import ConfigError
 
@@ -84,6 +85,20 @@ def test_collate_preference_pads_chosen_then_rejected_to_the_batch_width(shard_p
     assert batch.rows.tolist() == [1, 3]
     # Response positions only: the prompt is never scored.
     assert not batch.loss_mask[:, 0].any()
+
+
+def test_row_widths_are_the_widest_batch_either_layout_collates(shard_path, tmp_path):
+    """The memory projection scores rows as wide as these: each layout's collation of the
+    whole shard is exactly that wide, over every shard named."""
+    arrays = read_shard(shard_path)
+    every = np.arange(len(arrays["pair_id"]))
+    widths = RowWidths.of([shard_path])
+    assert widths.padded == collate_preference(arrays, every).input_ids.shape[1] == 6
+    assert widths.shared == collate_shared_prompt(arrays, every).input_ids.shape[1] == 7
+    wider = tmp_path / "held.safetensors"
+    write_shard(wider, pair_arrays([60], make_pairs([(4, 6, 5)]), PAD), PAIR_FORMAT)
+    assert RowWidths.of([shard_path, wider]) == RowWidths(padded=10, shared=15)
+    assert RowWidths.of([]) is None
 
 
 def test_pair_shard_collate_is_collate_preference(shard_path):

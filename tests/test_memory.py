@@ -163,7 +163,7 @@ def test_align_memory_prints_the_projection(stub, capsys):
     )
     assert code == 0
     out = capsys.readouterr().out
-    assert "total per GPU" in out and "48.54 GiB" in out
+    assert "total per GPU" in out and "48.94 GiB" in out
 
 
 # --- the host projection, phase by phase ---------------------------------------------------
@@ -252,3 +252,40 @@ def test_a_cuda_stage_on_a_host_without_cuda_is_refused_saying_so(planned):
     cfg = cpu_arm("--run.device=cuda", "--run.node_memory_mb=10000000")
     with pytest.raises(PreflightRefused, match="CUDA is not available on this host"):
         check_stage_rss("path_bias", cfg, planned)
+
+
+def test_the_datas_longest_row_bounds_the_rows_a_stage_is_projected_to_score(planned):
+    """A batch pads to its longest row, so shards whose longest row is under seq_len are
+    scored that wide; the layout picks which width, and seq_len stays the bound."""
+    from align.data.shards import RowWidths
+
+    widths = RowWidths(padded=300, shared=500)
+    assert job_shape("ref_cache", cpu_arm()).row_tokens == 1024
+    assert job_shape("ref_cache", cpu_arm(), widths=widths).row_tokens == 300
+    shared = cpu_arm("--ref.share_prompt=true")
+    assert job_shape("ref_cache", shared, widths=widths).row_tokens == 500
+    assert job_shape("ref_cache", shared, widths=RowWidths(3000, 3000)).row_tokens == 2048
+    narrow = projected_job_rss(job_shape("ref_cache", cpu_arm(), widths=widths), planned, 0)
+    wide = projected_job_rss(job_shape("ref_cache", cpu_arm()), planned, 0)
+    scored = [p["phases"]["evaluate"]["terms_mb"]["activations"] for p in (narrow, wide)]
+    assert scored[0] < scored[1]
+
+
+def test_stages_that_read_rows_in_process_hold_the_row_reader(planned):
+    """sft, sft_gate and select_arms read parquet rows (or the arms' union eval set) and hold
+    a tokenizer; stages that read built shards do not."""
+    from align.config import SelectionConfig, SftConfig
+
+    sft = SftConfig()
+    apply_overrides(sft, ["--batch.world_size=2"], where="test")
+    per_rank = sft.preflight.row_reader_overhead_mb
+    shapes = {
+        "sft": job_shape("sft", sft),
+        "sft_gate": job_shape("sft_gate", sft),
+        "select_arms": job_shape("select_arms", SelectionConfig(), seq_len=1024),
+        "dpo": job_shape("dpo", cpu_arm()),
+    }
+    expected = {"sft": 2 * per_rank, "sft_gate": per_rank, "select_arms": per_rank, "dpo": 0}
+    for stage, shape in shapes.items():
+        load = projected_job_rss(shape, planned, 0)["phases"]["load"]["terms_mb"]
+        assert load["row_reader"] == pytest.approx(expected[stage]), stage

@@ -16,7 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,31 @@ def read_shard(path: str | Path) -> dict[str, np.ndarray]:
         name: data[loc.begin : loc.end].view(_TAG_DTYPES[loc.dtype]).reshape(loc.shape)
         for name, loc in locations.items()
     }
+
+
+@dataclass(frozen=True)
+class RowWidths:
+    """The longest row that pair shards form in each layout. A batch pads its rows to its
+    longest, so the widest batch a stage scores or trains on is exactly this wide."""
+
+    padded: int  # chosen and rejected as two rows: the longer sequence, prompt included
+    shared: int  # one prefix-shared row: the prompt, then both responses
+
+    @classmethod
+    def of(cls, shards: Iterable[str | Path]) -> RowWidths | None:
+        """The widths over every pair shard in `shards`; None when there is none."""
+        widths = [cls._of_shard(read_shard(path)) for path in shards]
+        if not widths:
+            return None
+        return cls(max(w.padded for w in widths), max(w.shared for w in widths))
+
+    @classmethod
+    def _of_shard(cls, arrays: dict[str, np.ndarray]) -> RowWidths:
+        if not len(arrays["pair_id"]):
+            return cls(0, 0)
+        prompt = arrays["prompt_len"].astype(np.int64)
+        chosen, rejected = arrays["chosen_len"], arrays["rejected_len"]
+        return cls(int(np.maximum(chosen, rejected).max()), int((chosen + rejected - prompt).max()))
 
 
 class GrowingArray:

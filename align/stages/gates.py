@@ -329,9 +329,9 @@ def require_measured_path(
 def _gate_preflight(ctx: GateContext) -> dict[str, Any]:
     cfg = ctx.cfg
     master_updates = check_master_updates(cfg, ctx.checkpoint)
-    shard_bytes = sum(ctx.entry.shards[split].stat().st_size for split in SPLITS)
+    shards = [ctx.entry.shards[split] for split in SPLITS]
     # The dpo job's memory on its fullest node, and on each device under CUDA.
-    projection = check_stage_rss("dpo", cfg, ctx.checkpoint, shard_bytes)
+    projection = check_stage_rss("dpo", cfg, ctx.checkpoint, shards)
     projection["master_updates"] = master_updates
     ctx.projection = MemoryVerdict.of(projection)
     shown = {

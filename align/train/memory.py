@@ -14,11 +14,13 @@ before the stage builds a model.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from align.config import ModelConfig, PreflightConfig, RunConfig
+from align.data.shards import RowWidths
 from align.exit_codes import PreflightRefused
 from align.model.checkpoint_shapes import verified_hf_config, verify_checkpoint
 from align.model.hf_config import MistralConfig, load_hf_config
@@ -36,6 +38,9 @@ LOSS_CHUNK = 1024
 # training their gradient beside them.
 LOSS_HEAD_COPIES = 2
 SCORING_HEAD_COPIES = 1
+# Decoder layers a forward holds gathered in the compute dtype: the one it computes, and the
+# next twice while FSDP prefetches it (the all-gather's output and the parameters it fills).
+GATHERED_LAYER_COPIES = 3
 
 
 def parameter_count(config: MistralConfig) -> dict[str, int]:
@@ -135,8 +140,8 @@ def projected_device_phases(shape: JobShape, checkpoint: str | Path) -> dict[str
     # FSDP casts a gathered layer's gradients to the reduce dtype before reduce-scatter.
     reduce_copy = r if r != c else 0
     steady = {"master_weights": shard * m, "cuda_context": shape.preflight.cuda_context_mb * MIB}
-    # The layer in use and the one FSDP prefetches, in compute dtype.
-    gathered = {"gathered_layers": 2 * counts["layer"] * c, "gathered_root": counts["root"] * c}
+    layers = GATHERED_LAYER_COPIES * counts["layer"] * c
+    gathered = {"gathered_layers": layers, "gathered_root": counts["root"] * c}
     phases = {"load": {**steady, **gathered}}
     if load.trains:
         phases["train"] = {
@@ -144,7 +149,7 @@ def projected_device_phases(shape: JobShape, checkpoint: str | Path) -> dict[str
             "gradients": shard * m,
             "optimizer_state": shard
             * optimizer_state_bytes(shape.optimizer, shape.model.master_dtype),
-            "gathered_layers": 2 * counts["layer"] * c,
+            "gathered_layers": layers,
             "layer_gradients": counts["layer"] * (c + reduce_copy),
             # The root stays gathered from the first forward to the end of backward.
             "gathered_root": counts["root"] * (2 * c + reduce_copy),
@@ -162,7 +167,7 @@ def projected_device_phases(shape: JobShape, checkpoint: str | Path) -> dict[str
         phases["evaluate"] = {
             **steady,
             "second_policy": shard * m if load.second_policy else 0.0,
-            "gathered_layers": 2 * counts["layer"] * c,
+            "gathered_layers": layers,
             "gathered_root": policies * counts["root"] * c,
             "activations": scoring_activation_bytes(config, rows, tokens, c),
             "loss_head": loss_head_bytes(c, config),
@@ -243,11 +248,13 @@ class StageLoad:
     """What a stage does with its model, phase by phase: whether it trains (gradients,
     optimizer state, activations kept for backward), exports (rank 0 gathers the whole
     state), scores a second policy beside the first when it evaluates (DPO scores the SFT
-    policy beside the trained one), and generates (a KV cache)."""
+    policy beside the trained one), generates (a KV cache), and reads rows in-process (the
+    parquet reader and tokenizer, or the arms' union eval set, rather than a built shard)."""
 
     phases: tuple[str, ...]
     second_policy: bool = False
     generates: bool = False
+    reads_rows: bool = False
 
     @property
     def trains(self) -> bool:
@@ -259,15 +266,15 @@ class StageLoad:
 
 
 STAGE_LOADS = {
-    "sft": StageLoad(("load", "train", "export", "evaluate")),
+    "sft": StageLoad(("load", "train", "export", "evaluate"), reads_rows=True),
     # DPO's generation checks run between steps, when gradients and activations are freed:
     # their cache is smaller than what they replace, so it adds no training term.
     "dpo": StageLoad(("load", "train", "export", "evaluate"), second_policy=True, generates=True),
     "probe": StageLoad(("load", "train")),
-    "sft_gate": StageLoad(("load", "evaluate"), generates=True),
+    "sft_gate": StageLoad(("load", "evaluate"), generates=True, reads_rows=True),
     "ref_cache": StageLoad(("load", "evaluate")),
     "path_bias": StageLoad(("load", "evaluate")),
-    "select_arms": StageLoad(("load", "evaluate"), generates=True),
+    "select_arms": StageLoad(("load", "evaluate"), generates=True, reads_rows=True),
 }
 
 
@@ -282,7 +289,9 @@ class JobShape:
     model: ModelConfig
     optimizer: str
     rows: int  # rows of one training forward (a training stage) or one scoring forward
-    row_tokens: int  # their length: seq_len, or 2 x seq_len for prefix-shared pair rows
+    # Their length: the data's longest row in the stage's layout where the shards are known,
+    # else the bound, seq_len (2 x seq_len for prefix-shared pair rows).
+    row_tokens: int
     eval_rows: int  # rows of one held-out scoring forward after training, as long
     seq_len: int
     activation_checkpointing: bool
@@ -292,9 +301,12 @@ class JobShape:
     preflight: PreflightConfig
 
 
-def job_shape(stage: str, cfg: Any, nodes: int = 1, seq_len: int = 0) -> JobShape:
+def job_shape(
+    stage: str, cfg: Any, nodes: int = 1, seq_len: int = 0, widths: RowWidths | None = None
+) -> JobShape:
     """The shape of `stage` under its pre-registration (arm, SFT or selection config);
-    `seq_len` for a config that names none (selection scores the arms' rows)."""
+    `seq_len` for a config that names none (selection scores the arms' rows); `widths` of
+    the pair shards the stage reads, where they exist."""
     batch = getattr(cfg, "batch", None)
     data = getattr(cfg, "data", None)
     if not seq_len and data is None:
@@ -306,6 +318,8 @@ def job_shape(stage: str, cfg: Any, nodes: int = 1, seq_len: int = 0) -> JobShap
     trained_shared = batch is not None and batch.share_prompt
     shared = cfg.ref.share_prompt if stage == "ref_cache" else trained_shared
     per_item, length = (1, 2 * seq_len) if shared else (2 if pairs else 1, seq_len)
+    if widths is not None:
+        length = min(length, widths.shared if shared else widths.padded)
     eval_rows = per_item * cfg.eval.batch_size
     if load.trains or stage == "path_bias":
         rows = per_item * batch.micro_batch
@@ -406,6 +420,9 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
         "weights": weights,
         "data_shards": world * float(shard_bytes),
         "runtime": world * rank_overhead_mb(shape.preflight, shape.device) * MIB,
+        "row_reader": world * shape.preflight.row_reader_overhead_mb * MIB
+        if load.reads_rows
+        else 0.0,
         # One launcher per node runs the ranks of a multi-rank stage.
         "launcher": (
             0.0
@@ -415,9 +432,9 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
     }
     # FSDP keeps the root (embedding, final norm, lm_head) gathered in the compute dtype
     # from a forward to the end of its backward, or, without one, until it is resharded;
-    # a forward gathers each layer in turn beside the one it prefetches.
+    # a forward gathers its layers in turn.
     root_rank = counts["root"] * compute if on_cpu else 0.0
-    layers_rank = 2 * counts["layer"] * compute if on_cpu else 0.0
+    layers_rank = GATHERED_LAYER_COPIES * counts["layer"] * compute if on_cpu else 0.0
     root, layers = world * root_rank, world * layers_rank
     stored, full_master = verified.stored_bytes, counts["total"] * master
     largest_tensor = config.vocab_size * config.hidden_size * master
@@ -585,14 +602,20 @@ def check_projection(
 
 
 def check_stage_rss(
-    stage: str, cfg: Any, checkpoint: str | Path, shard_bytes: int = 0, seq_len: int = 0
+    stage: str,
+    cfg: Any,
+    checkpoint: str | Path,
+    shards: Sequence[str | Path] = (),
+    seq_len: int = 0,
 ) -> dict[str, Any]:
-    """The stage's projected RSS (from the checkpoint's verified config and header sizes)
-    judged against its node before any model is built, and under CUDA each GPU's peak
-    against the device: refused (exit 6) when over `preflight.host_memory_fraction` of the
-    node or `preflight.device_memory_fraction` of the device; the projection with the
-    verdicts otherwise."""
-    shape = job_shape(stage, cfg, stage_nodes(stage, cfg), seq_len)
+    """The stage's projected RSS (from the checkpoint's verified config and header sizes,
+    and the pair `shards` it reads: their bytes and longest rows) judged against its node
+    before any model is built, and under CUDA each GPU's peak against the device: refused
+    (exit 6) when over `preflight.host_memory_fraction` of the node or
+    `preflight.device_memory_fraction` of the device; the projection with the verdicts
+    otherwise."""
+    shard_bytes = sum(Path(path).stat().st_size for path in shards)
+    shape = job_shape(stage, cfg, stage_nodes(stage, cfg), seq_len, RowWidths.of(shards))
     projection = projected_job_rss(shape, checkpoint, shard_bytes)
     fraction = shape.preflight.host_memory_fraction
     projection.update(check_projection(projection, fraction, *node_memory(cfg.run)))

@@ -109,8 +109,7 @@ def main() -> None:
     checkpoint = gates.sft_gate(paths).checkpoint
     entry = gates.manifest_entry(paths, cfg, checkpoint)
     apply_resource_guards(cfg.run, mode, [cfg.run.results_dir])
-    shard_bytes = sum(entry.shards[s].stat().st_size for s in SPLITS)
-    projection = check_stage_rss(mode, cfg, checkpoint, shard_bytes)
+    projection = check_stage_rss(mode, cfg, checkpoint, [entry.shards[s] for s in SPLITS])
     from align.utils.dist import destroy_distributed
 
     run = measure_path_bias if mode == "path_bias" else build_caches

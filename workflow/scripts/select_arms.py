@@ -138,7 +138,13 @@ def main() -> None:
     # One policy is loaded at a time: the largest one's projection is the job's.
     projection = max(
         (
-            check_stage_rss("select_arms", cfg, checkpoint, seq_len=selection_seq_len(arm_cfgs))
+            check_stage_rss(
+                "select_arms",
+                cfg,
+                checkpoint,
+                [src["path"] for src in sources.values()],
+                seq_len=selection_seq_len(arm_cfgs),
+            )
             for checkpoint in policies.values()
         ),
         key=lambda p: p["total_mb"],
