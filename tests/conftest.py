@@ -12,6 +12,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# `make test` (and so CI) brings the services up first: there a missing one is a failure.
+SERVICES_REQUIRED = os.environ.get("ALIGN_SERVICES") == "required"
+# Where the image's root filesystem is built. containers/build_rootfs.sh keeps it, and its
+# debootstrapped base beside it, between runs: a build with nothing changed returns at once.
+IMAGE_ROOTFS = Path(os.environ.get("ALIGN_ROOTFS", "/var/tmp/align-rootfs"))
 
 
 def run_snakemake(
@@ -66,6 +71,36 @@ def stand_in_apptainer(bin_dir: Path) -> Path:
     apptainer.write_text(APPTAINER)
     apptainer.chmod(0o755)
     return bin_dir
+
+
+def apptainer_shim(bin_dir: Path) -> Path:
+    """`bin_dir` holding an `apptainer` that runs `apptainer exec ROOTFS CMD` in a root
+    filesystem of containers/build_rootfs.sh, with the options' binds (containers/apptainer_shim.sh)."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    (bin_dir / "apptainer").symlink_to(REPO / "containers" / "apptainer_shim.sh")
+    return bin_dir
+
+
+@pytest.fixture(scope="session")
+def image_rootfs() -> Path:
+    """The image's root filesystem, built from containers/align.def's own recipe by
+    debootstrap and chroot (root and debootstrap: `make services` installs it)."""
+    missing = [need for need in ("debootstrap", "unshare") if shutil.which(need) is None]
+    if os.geteuid() != 0:
+        missing.append("root")
+    if missing:
+        why = f"building the image's root filesystem needs {', '.join(missing)}"
+        if SERVICES_REQUIRED:
+            pytest.fail(f"{why}, though make test brought the services up (.ci/services_up.sh)")
+        pytest.skip(why)
+    build = subprocess.run(
+        ["bash", str(REPO / "containers" / "build_rootfs.sh"), str(IMAGE_ROOTFS)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert build.returncode == 0, build.stderr[-4000:]
+    return IMAGE_ROOTFS
 
 
 def dry_run_rules(workdir: Path, *args: str) -> list[str]:

@@ -1,10 +1,13 @@
 """The Apptainer image and the Slurm profile agree with the project they run.
 
-containers/align.def installs the project with its cluster extra, so the image holds
-exactly what pyproject.toml pins (torch: the very version CI tests on the CPU), and
-runs `pip check` when built and tested; its labels say the same versions; every rule that runs a command carries the image; and the Slurm
-profile's container options reach the `apptainer exec` of a real job. No image is
-built here: a stand-in `apptainer` on PATH records its arguments and runs the command.
+containers/align.def bootstraps Debian from its archive and runs one recipe,
+containers/post.sh, which installs the project with its cluster extra, so the image holds
+exactly what pyproject.toml pins (torch: the very version CI tests on the CPU), and runs
+`pip check` when built and tested; its labels say the same versions; every rule that runs a
+command carries the image; and the Slurm profile's container options reach the
+`apptainer exec` of a real job, here through a stand-in `apptainer` that records its
+arguments and runs the command. tests/test_image.py builds the image's root filesystem
+from the same recipe and runs the workflow in it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
 DEF = REPO / "containers" / "align.def"
+POST = REPO / "containers" / "post.sh"
 PROFILE = REPO / "profiles" / "slurm" / "config.yaml"
 
 
@@ -35,9 +39,22 @@ def sections(text: str) -> dict[str, str]:
     return {name: body for name, body in zip(parts[1::2], parts[2::2], strict=True)}
 
 
+def without_comments(text: str) -> str:
+    return re.sub(r"(?m)^\s*#.*$", "", text)
+
+
 def commands(section: str) -> str:
     """A section's shell lines without its comments."""
-    return re.sub(r"(?m)^\s*#.*$", "", sections(DEF.read_text())[section])
+    return without_comments(sections(DEF.read_text())[section])
+
+
+def recipe() -> str:
+    """The build recipe's shell lines without its comments."""
+    return without_comments(POST.read_text())
+
+
+def header(key: str) -> str:
+    return re.search(rf"(?m)^{key}:\s*(\S+)", DEF.read_text()).group(1)
 
 
 def labels() -> dict[str, str]:
@@ -54,15 +71,20 @@ def pins(entries: list[str]) -> dict[str, str]:
     return out
 
 
+def test_the_def_runs_the_one_recipe_it_copies_in():
+    assert "/opt/align/post.sh" in commands("post")
+    assert re.search(r"(?m)^\s*containers/post.sh\s+/opt/align/post.sh\s*$", commands("files"))
+
+
 def test_the_image_installs_the_project_with_its_cluster_extra_and_nothing_else():
-    post = commands("post")
+    post = recipe()
     assert "install --no-cache-dir '/opt/align/src[cluster]'" in post
     # No package is named outside pyproject: the image's set is the cluster install's set.
     assert re.findall(r"(?m)(?:^|\s)([A-Za-z0-9][\w.-]*)==", post) == []
 
 
 def test_the_image_checks_its_requirements_when_built_and_tested():
-    assert "$pip check" in commands("post")
+    assert "$pip check" in recipe()
     assert "pip check" in commands("test")
 
 
@@ -80,14 +102,18 @@ def test_labels_name_the_versions_the_image_installs():
     for name in ("torch", "triton", "bitsandbytes"):
         assert found[f"align.{name}"] == pinned[name], name
     python = found["align.python"]
-    assert f"python{python} " in sections(DEF.read_text())["post"]
+    assert f"python{python} " in recipe()
     assert SpecifierSet(project["requires-python"]).contains(python + ".0")
 
 
-def test_the_image_is_built_on_cuda_and_tests_itself():
+def test_the_image_bootstraps_from_debians_archive_and_tests_itself():
+    """No registry image that this project cannot fetch: Debian's release by debootstrap,
+    the very base CI builds; CUDA comes with torch's wheel and the node's driver."""
     text = DEF.read_text()
-    assert re.search(r"(?m)^From:\s*nvidia/cuda:\S+", text)
-    assert labels()["align.cuda"] in re.search(r"(?m)^From:\s*nvidia/cuda:(\S+)", text).group(1)
+    assert header("Bootstrap") == "debootstrap"
+    assert header("OSVersion") == "bookworm"
+    assert header("MirrorURL").startswith("http://deb.debian.org/")
+    assert "From:" not in text
     test = sections(text)["test"]
     assert "import" in test and "align" in test
     assert "torch.cuda.is_available()" in test

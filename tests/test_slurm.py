@@ -11,7 +11,9 @@ pre-timeout SIGTERM stops it; its retry is sent SIGTERM with scancel while it tr
 third attempt must end with the same weights as an uninterrupted one-node run of the arm.
 A last run asks for CUDA, which these nodes cannot give: its job must still have requested
 every GPU in one task on the GPU partition, and the stage must refuse rather than fall back
-to the CPU.
+to the CPU. Both runs go through the Slurm profile, so every job runs in the image: its
+root filesystem built from containers/align.def's recipe, entered through an `apptainer`
+shim with the profile's binds.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import dry_run_rules, run_snakemake, snakemake_command
+from conftest import apptainer_shim, dry_run_rules, run_snakemake, snakemake_command
 
 from align.exit_codes import RESUMABLE_STOP
-from align.paths import RunPaths
+from align.paths import SPLITS, RunPaths
 
 REPO = Path(__file__).resolve().parents[1]
+PROFILE = REPO / "profiles" / "slurm"
 ARM = "argilla"
 # `make test` (and so CI) brings the services up first: there a missing one is a failure.
 SERVICES_REQUIRED = os.environ.get("ALIGN_SERVICES") == "required"
@@ -186,6 +189,25 @@ def snakemake_on_slurm(work: Path, config: Path, *args: str) -> subprocess.Compl
     return run_snakemake(work, *slurm_args(config, *args), timeout=RUN_TIMEOUT_S)
 
 
+def in_the_image(work: Path, rootfs: Path, config: Path, *args: str) -> tuple[list[str], dict]:
+    """The command and environment of a Slurm run under the profile, its jobs in `rootfs`:
+    the profile's apptainer deployment and binds (its `$PWD` the work dir), the shim as
+    `apptainer`, the root filesystem as the container image. The workflow lives outside
+    the work dir here, so it is one more bind, as a site binds its model store."""
+    shim = apptainer_shim(work / "bin")
+    binds = yaml.safe_load((PROFILE / "config.yaml").read_text())["apptainer-args"]
+    image = ("--config", f"container_image={rootfs}")
+    return snakemake_command(
+        work,
+        *("--workflow-profile", str(PROFILE)),
+        f"--apptainer-args={binds} --bind {REPO}:{REPO}:ro",
+        *slurm_args(config, *args, *image),
+        timeout=RUN_TIMEOUT_S,
+        env={"PWD": str(work)},
+        path_first=(shim,),
+    )
+
+
 def jobs_of(work: Path) -> list[dict[str, str]]:
     """Every job the controller still holds that was submitted from `work`, oldest first."""
     shown = subprocess.run(
@@ -228,16 +250,14 @@ def read_text(path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def cuda_attempts(cluster, tmp_path_factory):
+def cuda_attempts(cluster, image_rootfs, tmp_path_factory):
     """An SFT stage that asks for CUDA, submitted with one retry to the GPU partition, whose
     dummy GPUs fail it. It starts before the chain of `slurm_run`, so that the scheduler
     waits of the two runs overlap; the work dir and the finished process come back."""
     work = tmp_path_factory.mktemp("cuda").resolve()
     config = reduced_config(work, sft_device="cuda")
     target = str(RunPaths.of("results").sft_receipt)
-    command, env = snakemake_command(
-        work, *slurm_args(config, "--retries", "1", target), timeout=RUN_TIMEOUT_S
-    )
+    command, env = in_the_image(work, image_rootfs, config, "--retries", "1", target)
     with (work / "snakemake.out").open("w") as log:
         proc = subprocess.Popen(command, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -249,7 +269,7 @@ def cuda_attempts(cluster, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def slurm_run(cluster, cuda_attempts, tmp_path_factory) -> SlurmRun:
+def slurm_run(cluster, cuda_attempts, image_rootfs, tmp_path_factory) -> SlurmRun:
     """`arms` on Slurm with one rank per node; the second DPO attempt gets scancel's SIGTERM
     after two optimizer steps. The CUDA attempts are under way beside it."""
     work = tmp_path_factory.mktemp("slurm").resolve()
@@ -259,9 +279,7 @@ def slurm_run(cluster, cuda_attempts, tmp_path_factory) -> SlurmRun:
         first_attempt_wall_s={"sft": 1},
         first_attempt_runtime_min={"dpo": 1},
     )
-    command, env = snakemake_command(
-        work, *slurm_args(config, "--retries", "2", "arms"), timeout=RUN_TIMEOUT_S
-    )
+    command, env = in_the_image(work, image_rootfs, config, "--retries", "2", "arms")
     started = time.monotonic()
     proc = subprocess.Popen(
         command, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -384,13 +402,17 @@ def test_untimed_jobs_take_the_configured_time(slurm_run):
     assert minutes(second_sft["TimeLimit"]) == 2 * JOB_RESOURCES["sft_runtime_min"], second_sft
 
 
-def projected_request(stage: str, cfg, checkpoint: Path, nodes: int, seq_len: int = 0) -> int:
+def projected_request(
+    stage: str, cfg, checkpoint: Path, nodes: int, seq_len: int = 0, shards: list[Path] = ()
+) -> int:
     """The memory a model-loading job must ask for: its stage's projection on its fullest
-    node plus margins."""
+    node, with the bytes and longest rows of the pair shards it reads, plus margins."""
+    from align.data.shards import RowWidths
     from align.train.memory import job_shape, projected_job_rss
 
-    shape = job_shape(stage, cfg, nodes, seq_len)
-    projection = projected_job_rss(shape, checkpoint, shard_bytes=0)
+    shape = job_shape(stage, cfg, nodes, seq_len, RowWidths.of(shards))
+    shard_bytes = sum(path.stat().st_size for path in shards)
+    projection = projected_job_rss(shape, checkpoint, shard_bytes)
     return rss_request(projection["node_mb"], attempt=1)
 
 
@@ -403,13 +425,20 @@ def test_model_loading_jobs_ask_for_their_stage_projection(slurm_run):
     sft = load_config(work / "sft.toml", SftConfig).cfg
     selection = load_config(REPO / "config" / "selection.toml", SelectionConfig).cfg
     base, checkpoint = work / "resources/tiny/base", work / "results/sft/checkpoint"
+    shards = RunPaths.of(work / "results").arm(ARM)
+    pairs = [shards.shard(split) for split in SPLITS]
     expected = {
         "sft": projected_request("sft", sft, base, nodes=1),
         "sft_gate": projected_request("sft_gate", sft, checkpoint, nodes=1),
-        "ref_cache": projected_request("ref_cache", arm, checkpoint, nodes=2),
-        "path_bias": projected_request("path_bias", arm, checkpoint, nodes=2),
+        "ref_cache": projected_request("ref_cache", arm, checkpoint, nodes=2, shards=pairs),
+        "path_bias": projected_request("path_bias", arm, checkpoint, nodes=2, shards=pairs),
         "select_arms": projected_request(
-            "select_arms", selection, checkpoint, nodes=1, seq_len=arm.data.seq_len
+            "select_arms",
+            selection,
+            checkpoint,
+            nodes=1,
+            seq_len=arm.data.seq_len,
+            shards=[shards.shard("held")],
         ),
     }
     for rule, request in expected.items():
