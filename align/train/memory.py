@@ -40,7 +40,15 @@ LOSS_HEAD_COPIES = 2
 SCORING_HEAD_COPIES = 1
 # Decoder layers a forward holds gathered in the compute dtype: the one it computes, and the
 # next twice while FSDP prefetches it (the all-gather's output and the parameters it fills).
+# A single rank has nothing to gather: it holds one copy of the layer it computes.
 GATHERED_LAYER_COPIES = 3
+SINGLE_RANK_LAYER_COPIES = 1
+
+
+def gathered_layers(world: int, layer_params: int, compute_bytes: int) -> float:
+    """Bytes of decoder layers one rank's forward holds beside its shards."""
+    copies = GATHERED_LAYER_COPIES if world > 1 else SINGLE_RANK_LAYER_COPIES
+    return copies * layer_params * compute_bytes
 
 
 def parameter_count(config: MistralConfig) -> dict[str, int]:
@@ -140,7 +148,7 @@ def projected_device_phases(shape: JobShape, checkpoint: str | Path) -> dict[str
     # FSDP casts a gathered layer's gradients to the reduce dtype before reduce-scatter.
     reduce_copy = r if r != c else 0
     steady = {"master_weights": shard * m, "cuda_context": shape.preflight.cuda_context_mb * MIB}
-    layers = GATHERED_LAYER_COPIES * counts["layer"] * c
+    layers = gathered_layers(shape.world, counts["layer"], c)
     gathered = {"gathered_layers": layers, "gathered_root": counts["root"] * c}
     phases = {"load": {**steady, **gathered}}
     if load.trains:
@@ -434,7 +442,7 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
     # from a forward to the end of its backward, or, without one, until it is resharded;
     # a forward gathers its layers in turn.
     root_rank = counts["root"] * compute if on_cpu else 0.0
-    layers_rank = GATHERED_LAYER_COPIES * counts["layer"] * compute if on_cpu else 0.0
+    layers_rank = gathered_layers(world, counts["layer"], compute) if on_cpu else 0.0
     root, layers = world * root_rank, world * layers_rank
     stored, full_master = verified.stored_bytes, counts["total"] * master
     largest_tensor = config.vocab_size * config.hidden_size * master
