@@ -101,6 +101,32 @@ def test_row_widths_are_the_widest_batch_either_layout_collates(shard_path, tmp_
     assert RowWidths.of([]) is None
 
 
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_computed_tokens_are_the_positions_a_collated_batch_holds(share_prompt, tmp_path):
+    pairs = make_pairs([(2, 3, 1), (2, 1, 4), (3, 2, 2), (1, 5, 1), (2, 1, 1)])
+    path = tmp_path / "shared.safetensors"
+    write_shard(path, pair_arrays([50, 51, 52, 53, 54], pairs, PAD), PAIR_FORMAT, split="train")
+    shard = preference_dataset(path, share_prompt)
+    for rows in (np.array([0, 1]), np.array([3]), np.array([4, 2, 0])):
+        assert shard.computed_tokens(rows) == shard.collate(rows).input_ids.numel(), rows
+    assert shard.computed_tokens(np.array([], dtype=np.int64)) == 0
+
+
+def test_a_steps_tokens_are_its_fullest_rank_in_each_micro_step(shard_path):
+    """Every rank waits on the one with the widest batch in each micro-step."""
+    from align.config import BatchConfig
+    from align.data.loader import BatchSource
+    from align.data.sampler import StepSampler
+
+    shard = preference_dataset(shard_path)
+    batch = BatchConfig(world_size=2, micro_batch=1, grad_accum=2, global_batch=4, epochs=1)
+    sources = [BatchSource(shard, StepSampler(len(shard), batch, r, 2)) for r in range(2)]
+    for step in range(len(sources[0])):
+        per_rank = [[b.input_ids.numel() for b in s.micro_batches(step)] for s in sources]
+        expected = sum(max(micro) for micro in zip(*per_rank, strict=True))
+        assert sources[0].step_tokens(step) == sources[1].step_tokens(step) == expected
+
+
 def test_pair_shard_collate_is_collate_preference(shard_path):
     shard = preference_dataset(shard_path)
     rows = np.array([4, 0, 2])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -78,7 +79,7 @@ def test_each_phase_peak_is_its_own_and_the_job_peak_sums_the_ranks(tmp_path):
 
 
 def test_off_cuda_the_probe_records_no_device_peak():
-    figures = probe_figures([1.0, 0.5], [10.0, 20.0], 4, 10, 123.0, [], None)
+    figures = probe_figures([1.0, 0.5], [10.0, 20.0], 4, [100] * 10, 123.0, [], None)
     assert figures["peak_device_mb"] == 0.0
     assert figures["device_peaks_mb"] == []
     assert figures["device_measured_over_projected"] is None
@@ -103,9 +104,22 @@ def test_the_projected_wall_counts_the_saves_and_generation_checks_a_run_makes()
     """10 optimizer steps, a save every 4 (after steps 4 and 8), a generation check before
     training and every 3 steps (3, 6, 9) and at the end (10): 2 saves, 5 checks."""
     beside = Beside(checkpoint_s=2.0, checkpoint_every=4, generation_s=3.0, generation_every=3)
-    figures = probe_figures([9.0, 1.0, 1.0], [10.0, 20.0, 20.0], 6, 10, 1.0, [], None, beside)
+    steps = [100] * 10
+    figures = probe_figures([9.0, 1.0, 1.0], [10.0, 20.0, 20.0], 6, steps, 1.0, [], None, beside)
     assert (figures["checkpoint_saves"], figures["generation_checks"]) == (2, 5)
     assert figures["projected_steps_s"] == 10.0
     assert figures["projected_wall_s"] == 10.0 + 2 * 2.0 + 5 * 3.0
     unarmed = Beside(2.0, 0, None, 3)
-    assert probe_figures([1.0], [1.0], 1, 10, 1.0, [], None, unarmed)["projected_wall_s"] == 10.0
+    assert probe_figures([1.0], [1.0], 1, steps, 1.0, [], None, unarmed)["projected_wall_s"] == 10.0
+
+
+def test_the_projected_steps_take_as_long_as_the_positions_they_compute():
+    """Rows vary in length, so steps do: the measured steps' time per computed position
+    (the first step's one-off costs left out) times every step's positions."""
+    step_tokens = [500, 200, 400, 100, 800]
+    figures = probe_figures([9.0, 2.0, 4.0], [1.0] * 3, 3, step_tokens, 1.0, [], None)
+    assert figures["seconds_per_computed_token"] == 0.01
+    assert figures["projected_steps_s"] == pytest.approx(0.01 * 2000)
+    assert figures["horizon_steps"] == 5 and figures["horizon_computed_tokens"] == 2000
+    # The median step alone would have projected 5 x 3 s.
+    assert figures["median_step_s"] == 3.0

@@ -170,6 +170,16 @@ class PairShard:
             return collate_shared_prompt(self.arrays, rows)
         return collate_preference(self.arrays, rows)
 
+    def computed_tokens(self, rows: np.ndarray) -> int:
+        """Positions the collated batch of `rows` holds, padding included, without collating."""
+        if not len(rows):
+            return 0
+        if self.share_prompt:
+            a = self.arrays
+            length = a["chosen_len"][rows].astype(np.int64) + a["rejected_len"][rows]
+            return len(rows) * int((length - a["prompt_len"][rows]).max())
+        return 2 * len(rows) * int(self.pair_widths[rows].max())
+
 
 def preference_dataset(path: str | Path, share_prompt: bool = False) -> PairShard:
     """Open a pair shard written by the build stage, memory-mapped."""
@@ -208,6 +218,10 @@ class SftShard:
         a = self.arrays
         return _batch(a["ids"][rows], a["length"][rows], a["prompt_len"][rows], rows)
 
+    def computed_tokens(self, rows: np.ndarray) -> int:
+        """Positions the collated batch of `rows` holds, padding included, without collating."""
+        return len(rows) * int(self.arrays["length"][rows].max()) if len(rows) else 0
+
 
 class BatchSource:
     """This rank's micro-batches for each optimizer step of the run."""
@@ -221,3 +235,11 @@ class BatchSource:
 
     def micro_batches(self, step: int) -> list[TokenBatch]:
         return [self.shard.collate(rows) for rows in self.sampler.rank_rows(step)]
+
+    def step_tokens(self, step: int) -> int:
+        """Positions step `step` computes: in each micro-step, the fullest rank's batch, which
+        every rank waits on."""
+        return sum(
+            max(self.shard.computed_tokens(rows) for rows in ranks)
+            for ranks in self.sampler.micro_steps(step)
+        )

@@ -50,11 +50,15 @@ class StepSampler:
         end = self.n if index == self.steps_per_epoch - 1 else start + self.batch.global_batch
         return order[start:end]
 
-    def rank_rows(self, step: int) -> list[np.ndarray]:
-        """This rank's grad_accum micro-batches of step `step`."""
+    def micro_steps(self, step: int) -> list[list[np.ndarray]]:
+        """Each of step `step`'s grad_accum micro-steps: the rows every rank takes, by rank."""
         parts = np.array_split(self.global_rows(step), self.world_size * self.batch.grad_accum)
         accum = self.batch.grad_accum
-        return parts[self.rank * accum : (self.rank + 1) * accum]
+        return [[parts[rank * accum + i] for rank in range(self.world_size)] for i in range(accum)]
+
+    def rank_rows(self, step: int) -> list[np.ndarray]:
+        """This rank's grad_accum micro-batches of step `step`."""
+        return [ranks[self.rank] for ranks in self.micro_steps(step)]
 
 
 SORT_WINDOW_BATCHES = 64

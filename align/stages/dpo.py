@@ -107,7 +107,7 @@ def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInf
         trainer.state.step_times,
         tokens_per_s,
         trainer.state.micro_step,
-        len(trainer.source),
+        [trainer.source.step_tokens(step) for step in range(len(trainer.source))],
         rss,
         device_peaks,
         projected,

@@ -1,6 +1,6 @@
-"""The throughput probe's figures (no torch): step time, tokens/s, measured peaks, and the
-wall-clock they project for the whole training run: its steps, its checkpoint saves and its
-generation checks.
+"""The throughput probe's figures (no torch): step time, time per computed position,
+measured peaks, and the wall-clock they project for the whole training run: its steps, its
+checkpoint saves and its generation checks.
 
 The memory the probe measures is set against the preflight's projections
 (align.train.memory): peak RSS of the job, and each rank's device peak against the
@@ -43,26 +43,32 @@ def probe_figures(
     step_times: list[float],
     tokens_per_s: list[float],
     micro_steps: int,
-    horizon_steps: int,
+    step_tokens: list[int],
     peak_rss_mb: float,
     device_peaks_mb: list[float],
     projected_device_mb: float | None,
     beside: Beside | None = None,
 ) -> dict[str, Any]:
-    """Median step time and the wall-clock it projects (the steps, and what the run does
-    beside them); the largest rank's device peak (torch.cuda.max_memory_allocated), every
-    rank's, and the largest over the projection."""
+    """The measured steps' time per computed position, and the wall-clock it projects for
+    the run: every step of the horizon as long as the positions its batches compute
+    (`step_tokens`, padding included: rows vary in length, and a step's time with them),
+    and what the run does beside its steps; the largest rank's device peak
+    (torch.cuda.max_memory_allocated), every rank's, and the largest over the projection."""
     if not step_times:
         raise ValueError("the probe ran no optimizer step: nothing was measured")
     # The first step pays one-off costs (allocator warm-up, lazy init); it is not typical.
-    typical = step_times[1:] or step_times
-    median = statistics.median(typical)
+    typical = range(1, len(step_times)) if len(step_times) > 1 else range(1)
+    per_token = statistics.median(step_times[k] / step_tokens[k] for k in typical)
+    horizon_steps = len(step_tokens)
+    steps_s = per_token * sum(step_tokens)
     return {
         "steps_measured": len(step_times),
         "micro_steps": micro_steps,
         "step_times": step_times,
-        "median_step_s": median,
+        "median_step_s": statistics.median([step_times[k] for k in typical]),
         "tokens_per_s": statistics.median(tokens_per_s[1:] or tokens_per_s),
+        "seconds_per_computed_token": per_token,
+        "horizon_computed_tokens": sum(step_tokens),
         "peak_rss_mb": peak_rss_mb,
         "peak_device_mb": max(device_peaks_mb, default=0.0),
         "device_peaks_mb": device_peaks_mb,
@@ -74,7 +80,6 @@ def probe_figures(
         "horizon_steps": horizon_steps,
         **(beside.count(horizon_steps) if beside else {}),
         "generation_check_s": beside.generation_s if beside else None,
-        "projected_steps_s": median * horizon_steps,
-        "projected_wall_s": median * horizon_steps
-        + (beside.seconds(horizon_steps) if beside else 0.0),
+        "projected_steps_s": steps_s,
+        "projected_wall_s": steps_s + (beside.seconds(horizon_steps) if beside else 0.0),
     }
