@@ -10,8 +10,9 @@ Snakemake's benchmark max_rss of each job beside the projection's largest phase,
 each checkpoint save against the probe's timed one.
 
 With --current, each phase's host projection is made again by the memory model as it
-stands (align.train.memory, from each receipt's config and the run's checkpoint), so a
-change to the model can be judged against what a past rehearsal measured.
+stands (align.train.memory, from each receipt's config and the run's checkpoint), and DPO
+training's wall clock by the probe's model as it stands (align.train.probes, from what the
+probe measured), so a change to either can be judged against what a past rehearsal ran.
 
 Goals (the scale rehearsal): host peak between 0.85x and 1.0x of its projection, wall
 clock within 25%. A row outside them is marked; the exit status is 1 when any is.
@@ -71,18 +72,48 @@ def benchmark_max_rss(results: Path, receipt_path: Path, stage: str) -> float | 
     return float(rows[-1]["max_rss"]) if rows and rows[-1]["max_rss"] != "NA" else None
 
 
+def receipt_config(receipt: dict):
+    """The pre-registration the receipt's stage ran, with its overrides."""
+    from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
+
+    config_class = {"sft": SftConfig, "sft_gate": SftConfig, "select_arms": SelectionConfig}
+    overrides = [f"--{key}={value}" for key, value in (receipt.get("overrides") or {}).items()]
+    source = Path(receipt["config_source"][0])
+    return load_config(source, config_class.get(receipt["stage"], ArmConfig), overrides).cfg
+
+
+def current_wall_s(results: Path, cfg, probe: dict) -> float:
+    """DPO training's wall clock as today's probe model projects it from what the arm's
+    probe measured: its step times, one save and one generation check."""
+    from align.data.loader import BatchSource, PairShard
+    from align.data.sampler import StepSampler
+    from align.paths import RunPaths
+    from align.train.probes import Beside, probe_figures
+
+    shard = PairShard(RunPaths.of(results).arm(cfg.arm).shard("train"), cfg.batch.share_prompt)
+    source = BatchSource(shard, StepSampler(len(shard), cfg.batch, 0, cfg.batch.world_size))
+    measured = probe["figures"]
+    beside = Beside(
+        measured["checkpoint_s"],
+        cfg.trainer.checkpoint_every,
+        measured["generation_check_s"],
+        cfg.tripwires.generation_every_steps,
+    )
+    steps = [source.step_tokens(step) for step in range(len(source))]
+    figures = probe_figures(
+        measured["step_times"], [0.0], measured["micro_steps"], steps, 0.0, [], None, beside
+    )
+    return figures["projected_wall_s"]
+
+
 def current_projection(results: Path, receipt: dict, arm_configs: list) -> dict:
     """The stage's projection by today's memory model, for the config its receipt ran."""
-    from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
     from align.data.shards import RowWidths
     from align.paths import SPLITS, RunPaths
     from align.train.memory import job_shape, projected_job_rss, selection_seq_len, stage_nodes
 
     stage = receipt["stage"]
-    config_class = {"sft": SftConfig, "sft_gate": SftConfig, "select_arms": SelectionConfig}
-    overrides = [f"--{key}={value}" for key, value in (receipt.get("overrides") or {}).items()]
-    source = Path(receipt["config_source"][0])
-    cfg = load_config(source, config_class.get(stage, ArmConfig), overrides).cfg
+    cfg = receipt_config(receipt)
     if stage == "sft":
         checkpoint = Path(cfg.run.base_model)
     else:
@@ -102,14 +133,10 @@ def current_projection(results: Path, receipt: dict, arm_configs: list) -> dict:
 
 
 def with_current_projections(results: Path, found: list[tuple[str, Path, dict]]) -> None:
-    """Each phase's projected figures replaced by today's model's (in place)."""
-    from align.config import ArmConfig, load_config
-
-    arm_configs = [
-        load_config(Path(r["config_source"][0]), ArmConfig).cfg
-        for _, _, r in found
-        if r["stage"] == "dpo"
-    ]
+    """Each phase's projected figures, and DPO training's wall clock, replaced by today's
+    models' (in place)."""
+    arm_configs = [receipt_config(r) for _, _, r in found if r["stage"] == "dpo"]
+    probes = {r.get("arm"): r for _, _, r in found if r["stage"] == "probe"}
     for _, _, receipt in found:
         projection = current_projection(results, receipt, arm_configs)
         for name, phase in receipt["phases"].items():
@@ -117,6 +144,11 @@ def with_current_projections(results: Path, found: list[tuple[str, Path, dict]])
             phase["projected_host_mb"] = expected["total_mb"]
             phase["projected_terms_mb"] = expected["terms_mb"]
             phase["host_ratio"] = phase["host_peak_mb"] / expected["total_mb"]
+        train = receipt["phases"].get("train", {})
+        if receipt["stage"] == "dpo" and "projected_wall_s" in train:
+            cfg = receipt_config(receipt)
+            train["projected_wall_s"] = current_wall_s(results, cfg, probes[cfg.arm])
+            train["wall_ratio"] = train["wall_s"] / train["projected_wall_s"]
 
 
 def ratio_mark(value: float, low: float, high: float) -> str:

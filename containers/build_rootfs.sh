@@ -14,7 +14,8 @@
 # DEST is rebuilt only when its stamp's key changes: post.sh, pyproject.toml, align.def, the
 # content of every %files source (the image installs a copy of align/), ALIGN_TORCH and the
 # base. The base is a tarball keyed by suite, mirror and packages, so a new pin does not
-# debootstrap again.
+# debootstrap again. When only the package's sources changed, post.sh runs again over the
+# built tree, whose requirements are then all met: the project alone is reinstalled.
 set -euo pipefail
 
 usage() { echo "usage: $0 DEST" >&2; exit 2; }
@@ -60,7 +61,10 @@ files_digest() {
             xargs -0 sha256sum
     done) | sha
 }
-KEY=$({ cat "$POST" "$REPO/pyproject.toml" "$DEF"; files_digest; echo "$ALIGN_TORCH $BASE_KEY"; } | sha)
+# Everything that decides the installed requirements, then that and the sources.
+DEPS_KEY=$({ cat "$POST" "$REPO/pyproject.toml" "$DEF"; echo "$ALIGN_TORCH $BASE_KEY"; } | sha)
+KEY=$({ echo "$DEPS_KEY"; files_digest; } | sha)
+DEPS_STAMP=.align-rootfs-requirements
 
 if [[ -f $DEST/$STAMP && $(<"$DEST/$STAMP") == "$KEY" ]]; then
     log "$DEST is up to date (key ${KEY:0:16})"
@@ -144,10 +148,16 @@ if [[ ! -f $BASE_TAR ]]; then
     remove_tree "$BASE_TAR.d"
 fi
 
-log "unpacking $(basename "$BASE_TAR") into $TMP"
 remove_tree "$TMP"
-mkdir -p "$TMP"
-tar -C "$TMP" --numeric-owner --xattrs -xpf "$BASE_TAR"
+if [[ -f $DEST/$DEPS_STAMP && $(<"$DEST/$DEPS_STAMP") == "$DEPS_KEY" ]]; then
+    log "reusing $DEST's requirements (key ${DEPS_KEY:0:16}); reinstalling the project"
+    mv "$DEST" "$TMP"
+    rm -rf "$TMP/opt/align/src" "$TMP/$STAMP"
+else
+    log "unpacking $(basename "$BASE_TAR") into $TMP"
+    mkdir -p "$TMP"
+    tar -C "$TMP" --numeric-owner --xattrs -xpf "$BASE_TAR"
+fi
 
 # %files, as `apptainer build` copies them from the repository root.
 (cd "$REPO" && files_entries | while read -r src dst; do
@@ -204,6 +214,7 @@ tail -n 2 "$CACHE/post.log" | sed 's/^/  | /' >&2
 
 unmount_all
 for f in "${STAGED[@]}"; do rm -rf "${TMP:?}$f"; done
+echo "$DEPS_KEY" >"$TMP/$DEPS_STAMP"
 echo "$KEY" >"$TMP/$STAMP"
 
 # Swap the finished tree in; an older one is deleted only once nothing is mounted in it.
