@@ -38,7 +38,7 @@ def peaks_worker(rank: int, init_file: str, out_dir: str) -> None:
             [1.0, 0.5, 0.5],
             [10.0, 20.0, 20.0],
             6,
-            10,
+            [100] * 10,
             meter.job_host_peak_mb(),
             rank_device_peaks(PEAKS_MB[rank]),
             PROJECTED_MB,
