@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import os
 import signal
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -82,29 +81,26 @@ def forward_stop_signals() -> None:
         signal.signal(sig, forward)
 
 
-def slurm_rendezvous(job_id: str, nodelist: str) -> str:
-    """HOST:PORT of a job's rendezvous: the first node's address, a port from the job id."""
-    first = _scontrol("show", "hostnames", nodelist).split()[0]
-    node = _scontrol("--oneliner", "show", "node", first)
-    fields = dict(part.split("=", 1) for part in node.split() if "=" in part)
-    address = fields.get("NodeAddr") or first
-    return f"{address}:{RDZV_PORT_BASE + int(job_id) % RDZV_PORT_SPAN}"
-
-
-def _scontrol(*args: str) -> str:
-    return subprocess.run(
-        ["scontrol", *args], capture_output=True, text=True, check=True, timeout=60
-    ).stdout
+def slurm_rendezvous(job_id: str, launch_node_address: str) -> str:
+    """HOST:PORT of a job's rendezvous: the address of the node srun was started from (the
+    batch step's, the job's first node: node 0, which hosts the store), a port from the job
+    id. srun hands every task that address, so nothing of Slurm's client is needed inside
+    the image the launcher runs in."""
+    return f"{launch_node_address}:{RDZV_PORT_BASE + int(job_id) % RDZV_PORT_SPAN}"
 
 
 def rendezvous_endpoint(ns: argparse.Namespace) -> str:
-    """HOST:PORT of a multi-node launch: as given, or derived from the Slurm job."""
+    """HOST:PORT of a multi-node launch: as given, or derived from the Slurm job step."""
     if ns.rdzv_endpoint is not None:
         return ns.rdzv_endpoint
     job_id = os.environ.get("SLURM_JOB_ID")
-    if job_id is None:
-        raise SystemExit("align.launch: --nnodes > 1 needs --rdzv-endpoint outside Slurm")
-    return slurm_rendezvous(job_id, os.environ["SLURM_JOB_NODELIST"])
+    address = os.environ.get("SLURM_LAUNCH_NODE_IPADDR")
+    if job_id is None or address is None:
+        raise SystemExit(
+            "align.launch: --nnodes > 1 needs --rdzv-endpoint outside a Slurm job step "
+            "(srun sets SLURM_JOB_ID and SLURM_LAUNCH_NODE_IPADDR)"
+        )
+    return slurm_rendezvous(job_id, address)
 
 
 def torchrun_args(ns: argparse.Namespace, endpoint: str | None) -> list[str]:

@@ -4,12 +4,14 @@
 import functools
 import json
 import math
+import os
 import shlex
 import subprocess
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
+from snakemake.settings.types import DeploymentMethod
 
 from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
 from align.data.shards import RowWidths
@@ -221,6 +223,25 @@ def container_image():
 CONTAINER = container_image()
 
 
+def container_for(layout):
+    """The image Snakemake runs a job's command in: a one-node job's whole command. A
+    multi-node job's command is `srun` on the host, since Slurm's client is not in the image
+    and must match the cluster's; each node's launcher enters the image itself
+    (`image_entry`), as Apptainer's hybrid model for MPI jobs does."""
+    return lambda wildcards: CONTAINER if layout(wildcards)[0].nodes == 1 else None
+
+
+def image_entry():
+    """`apptainer exec` into the image as Snakemake enters it for a one-node job: the working
+    directory as $HOME, then the profile's --apptainer-args (their $PWD expands in the job).
+    Nothing where jobs run outside the image."""
+    settings = workflow.deployment_settings
+    if DeploymentMethod.APPTAINER not in settings.deployment_method:
+        return []
+    home = shlex.quote(os.getcwd())
+    return ["apptainer exec --home", home, settings.apptainer_args, shlex.quote(CONTAINER)]
+
+
 def receipt_json(path):
     """A receipt as a dict, or None while it does not exist."""
     path = Path(path)
@@ -320,8 +341,9 @@ def gpu_gres(per_node):
 
 def launcher(layout, stop_marker=None, accept_exit=None):
     """The stage's launch command: `python -m align.launch` on one node, or one launcher per
-    node under srun in a multi-node allocation. `exec` in the rule's shell makes the
-    launcher the process Slurm's signals reach, so SIGTERM ends in a checkpoint."""
+    node under srun in a multi-node allocation, each in the image (`container_for`). `exec`
+    in the rule's shell makes the launcher the process Slurm's signals reach, so SIGTERM
+    ends in a checkpoint."""
 
     def command(wildcards, resources):
         topo, device = layout(wildcards)
@@ -340,6 +362,7 @@ def launcher(layout, stop_marker=None, accept_exit=None):
             ]
             if device == "cuda":
                 prefix.append(f"--gres={gpu_gres(topo.per_node)}")
+            prefix += image_entry()
         args = [
             "python -m align.launch",
             f"--nproc={topo.per_node}",

@@ -35,7 +35,7 @@ rule probe:
     benchmark:
         PATHS.benchmark("probe", "{arm}")
     container:
-        CONTAINER
+        container_for(arm_layout)
     threads: config["threads"]
     resources:
         **placement(arm_layout),
@@ -66,7 +66,7 @@ rule dpo:
     benchmark:
         PATHS.benchmark("dpo", "{arm}")
     container:
-        CONTAINER
+        container_for(arm_layout)
     threads: config["threads"]
     resources:
         **placement(arm_layout),

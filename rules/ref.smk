@@ -20,7 +20,7 @@ rule ref_cache:
     benchmark:
         PATHS.benchmark("ref_cache", "{arm}-{forward_impl}")
     container:
-        CONTAINER
+        container_for(arm_layout)
     threads: config["threads"]
     resources:
         **placement(arm_layout),
@@ -51,7 +51,7 @@ checkpoint path_bias:
     benchmark:
         PATHS.benchmark("path_bias", "{arm}")
     container:
-        CONTAINER
+        container_for(arm_layout)
     threads: config["threads"]
     resources:
         **placement(arm_layout),

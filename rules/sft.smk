@@ -13,7 +13,7 @@ rule sft:
     benchmark:
         PATHS.benchmark("sft")
     container:
-        CONTAINER
+        container_for(sft_layout)
     threads: config["threads"]
     resources:
         **placement(sft_layout),

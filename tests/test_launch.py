@@ -2,43 +2,21 @@
 
 from __future__ import annotations
 
-import stat
-
 import pytest
 
 from align import launch
 
-NODE_A = "NodeName=node-a Arch=x86_64 NodeAddr=10.0.0.7 NodeHostName=node-a State=IDLE"
+LAUNCH_NODE = "10.0.0.7"
 
 
-@pytest.fixture
-def fake_scontrol(tmp_path, monkeypatch):
-    """An `scontrol` answering for a job on nodes node-a and node-b."""
-    script = tmp_path / "scontrol"
-    script.write_text(
-        "#!/bin/sh\n"
-        'case "$*" in\n'
-        '  "show hostnames node-[a-b]") echo node-a; echo node-b ;;\n'
-        f'  "--oneliner show node node-a") echo "{NODE_A}" ;;\n'
-        '  *) echo "unexpected: $*" >&2; exit 1 ;;\n'
-        "esac\n"
-    )
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    monkeypatch.setenv("PATH", f"{tmp_path}:{launch.os.environ['PATH']}")
-
-
-def test_the_slurm_rendezvous_is_the_first_nodes_address_on_a_port_from_the_job_id(
-    fake_scontrol,
-):
-    endpoint = launch.slurm_rendezvous("123456", "node-[a-b]")
+def test_the_slurm_rendezvous_is_the_launch_nodes_address_on_a_port_from_the_job_id():
+    endpoint = launch.slurm_rendezvous("123456", LAUNCH_NODE)
     assert endpoint == f"10.0.0.7:{launch.RDZV_PORT_BASE + 123456 % launch.RDZV_PORT_SPAN}"
 
 
-def test_every_node_of_a_slurm_job_joins_the_same_rendezvous_as_a_client(
-    fake_scontrol, monkeypatch
-):
+def test_every_node_of_a_slurm_job_joins_the_same_rendezvous_as_a_client(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "123456")
-    monkeypatch.setenv("SLURM_JOB_NODELIST", "node-[a-b]")
+    monkeypatch.setenv("SLURM_LAUNCH_NODE_IPADDR", LAUNCH_NODE)
     for node in ("0", "1"):
         monkeypatch.setenv("SLURM_NODEID", node)
         ns = launch.parse(["--nproc=4", "--nnodes=2", "stage.py", "--x=1"])
@@ -48,6 +26,23 @@ def test_every_node_of_a_slurm_job_joins_the_same_rendezvous_as_a_client(
         assert "--rdzv_id=123456" in args
         assert "--rdzv_conf=is_host=false" in args
         assert args[-2:] == ["stage.py", "--x=1"]
+
+
+def test_a_multi_node_launch_in_the_image_failed_calling_scontrol(monkeypatch):
+    """The image has no Slurm client: the endpoint comes from what srun gives each task."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_LAUNCH_NODE_IPADDR", "192.0.2.1")
+    ns = launch.parse(["--nproc=1", "--nnodes=2", "--node-rank=1", "stage.py"])
+    assert launch.rendezvous_endpoint(ns) == f"192.0.2.1:{launch.RDZV_PORT_BASE + 7}"
+
+
+def test_a_multi_node_launch_outside_a_slurm_step_without_an_endpoint_is_refused(monkeypatch):
+    monkeypatch.delenv("SLURM_LAUNCH_NODE_IPADDR", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    ns = launch.parse(["--nproc=1", "--nnodes=2", "--node-rank=0", "stage.py"])
+    with pytest.raises(SystemExit, match="needs --rdzv-endpoint outside a Slurm job step"):
+        launch.rendezvous_endpoint(ns)
 
 
 def test_one_node_runs_torchrun_standalone():
@@ -72,5 +67,5 @@ def test_a_multi_node_launch_without_a_valid_node_rank_is_refused(monkeypatch, c
 def test_a_multi_node_launch_outside_slurm_needs_an_endpoint(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     ns = launch.parse(["--nproc=1", "--nnodes=2", "--node-rank=0", "stage.py"])
-    with pytest.raises(SystemExit, match="needs --rdzv-endpoint outside Slurm"):
+    with pytest.raises(SystemExit, match="needs --rdzv-endpoint outside a Slurm job step"):
         launch.rendezvous_endpoint(ns)

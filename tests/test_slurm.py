@@ -542,6 +542,16 @@ def test_the_ranks_ran_on_two_nodes_and_the_receipts_say_where(slurm_run):
         assert len(devices) == 2 and len(set(hosts)) == 2, devices
 
 
+def test_two_node_jobs_run_srun_on_the_host_where_the_image_has_none(slurm_run):
+    """Slurm's client is not in the image: a two-node job runs srun on the host and each
+    node's launcher enters the image, so every stage still ran the image's Python."""
+    paths = RunPaths.of("results")
+    arm = paths.arm(ARM)
+    for receipt in (paths.sft_receipt, arm.path_bias, arm.probe, arm.arm_result):
+        command = slurm_run.receipt(receipt)["command"]
+        assert command.startswith("/opt/align/venv/bin/python "), (receipt, command)
+
+
 # --- the same arm on one node, uninterrupted ----------------------------------------------
 
 
