@@ -2,11 +2,8 @@
 # the same module the stage scripts use; configs are read with align.config
 # (stdlib only, so this costs milliseconds).
 import functools
-import json
-import math
 import os
 import shlex
-import subprocess
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
@@ -15,7 +12,7 @@ from snakemake.settings.types import DeploymentMethod
 
 from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
 from align.data.shards import RowWidths
-from align.exit_codes import ConfigError
+from align.exit_codes import TRIPWIRE, ConfigError
 from align.topology import Topology, topology
 from align.train.memory import job_shape, projected_job_rss, selection_seq_len
 from align.model.checkpoint_files import checkpoint_files, planned_checkpoint_files
@@ -25,6 +22,14 @@ from align.report.summary import selection_labels
 from align.stages.select import UNION
 from align.train.path_bias import required_forward_impl
 from align.train.ref_cache import parse_forward_impl, ref_forward_impl
+from align.workflow.commands import image_entry, launch_command, srun_prefix
+from align.workflow.resources import (
+    JobResources,
+    capped,
+    first_attempt_cap,
+    wall_seconds,
+)
+from align.workflow.slurm import default_partition, partition_node_memory_mb
 
 PATHS = RunPaths.of(config["results_dir"])
 # Every arm's paths with the {arm} wildcard in place of its name: the rules' outputs.
@@ -211,7 +216,7 @@ def arm_stop_marker(wildcards):
 # more of (memory, time). A receipt that does not exist yet (a dry run, or a job
 # sized before its upstream ran) reads as not yet known, and the configured
 # default stands in for it.
-JOB = config["job_resources"]
+JOB = JobResources.of(config["job_resources"])
 
 
 def container_image():
@@ -231,21 +236,18 @@ def container_for(layout):
     return lambda wildcards: CONTAINER if layout(wildcards)[0].nodes == 1 else None
 
 
-def image_entry():
-    """`apptainer exec` into the image as Snakemake enters it for a one-node job: the working
-    directory as $HOME, then the profile's --apptainer-args (their $PWD expands in the job).
-    Nothing where jobs run outside the image."""
+def job_image_entry():
+    """The image entry of each node's launcher in a multi-node job (`container_for`):
+    nothing where jobs run outside the image."""
     settings = workflow.deployment_settings
     if DeploymentMethod.APPTAINER not in settings.deployment_method:
         return []
-    home = shlex.quote(os.getcwd())
-    return ["apptainer exec --home", home, settings.apptainer_args, shlex.quote(CONTAINER)]
+    return image_entry(os.getcwd(), settings.apptainer_args, CONTAINER)
 
 
 def receipt_json(path):
     """A receipt as a dict, or None while it does not exist."""
-    path = Path(path)
-    return json.loads(path.read_text()) if path.is_file() else None
+    return read_json(path) if Path(path).is_file() else None
 
 
 def arm_layout(wildcards):
@@ -339,41 +341,29 @@ def gpu_gres(per_node):
     return f"gpu:{model}:{per_node}" if model else f"gpu:{per_node}"
 
 
-def launcher(layout, stop_marker=None, accept_exit=None):
-    """The stage's launch command: `python -m align.launch` on one node, or one launcher per
-    node under srun in a multi-node allocation, each in the image (`container_for`). `exec`
-    in the rule's shell makes the launcher the process Slurm's signals reach, so SIGTERM
-    ends in a checkpoint."""
+def launcher(layout, stop_marker=None, accept_exit=()):
+    """The stage's launch command (align.workflow.commands). `exec` in the rule's shell
+    makes the launcher the process Slurm's signals reach, so SIGTERM ends in a checkpoint.
+    """
 
     def command(wildcards, resources):
         topo, device = layout(wildcards)
-        prefix = []
+        per_node = []
         if topo.nodes > 1:
             if not time_limited():
                 raise WorkflowError(
                     f"{topo.nodes} nodes x {topo.per_node} ranks: a multi-node stage runs "
                     "under Slurm (--executor slurm or the workflow profile), not locally"
                 )
-            prefix = [
-                "srun",
-                f"--nodes={topo.nodes}",
-                "--ntasks-per-node=1",
-                f"--cpus-per-task={config['threads']}",
-            ]
-            if device == "cuda":
-                prefix.append(f"--gres={gpu_gres(topo.per_node)}")
-            prefix += image_entry()
-        args = [
-            "python -m align.launch",
-            f"--nproc={topo.per_node}",
-            f"--nnodes={topo.nodes}",
-            f"--shutdown-timeout={resources.stop_window_s}",
-        ]
-        if stop_marker is not None:
-            args.append(f"--stop-marker={stop_marker(wildcards)}")
-        if accept_exit is not None:
-            args.append(f"--accept-exit={accept_exit}")
-        return " ".join(prefix + args)
+            gres = gpu_gres(topo.per_node) if device == "cuda" else None
+            per_node = srun_prefix(topo, config["threads"], gres) + job_image_entry()
+        return launch_command(
+            topo,
+            resources.stop_window_s,
+            per_node=per_node,
+            stop_marker=stop_marker(wildcards) if stop_marker else None,
+            accept_exit=accept_exit,
+        )
 
     return command
 
@@ -412,74 +402,25 @@ def node_memory_overrides(wildcards):
     return f"--run.node_memory_mb={mb} --run.node_memory_source={shlex.quote(source)}"
 
 
-def scontrol(*args):
-    try:
-        return subprocess.run(
-            ["scontrol", "--oneliner", *args],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.CalledProcessError) as err:
-        raise WorkflowError(
-            f"scontrol {' '.join(args)} failed ({err}); set slurm_node_memory_mb in the "
-            "workflow config for the partitions the jobs use"
-        ) from err
-
-
-def slurm_fields(line):
-    return dict(part.split("=", 1) for part in line.split() if "=" in part)
-
-
-def default_partition():
-    for line in scontrol("show", "partition").splitlines():
-        fields = slurm_fields(line)
-        if fields.get("Default") == "YES":
-            return fields["PartitionName"]
-    raise WorkflowError("Slurm names no default partition: set slurm_partition")
-
-
-def partition_node_memory_mb(partition):
-    nodes = slurm_fields(scontrol("show", "partition", partition)).get("Nodes", "")
-    memory = [
-        int(slurm_fields(line)["RealMemory"])
-        for line in scontrol("show", "node", nodes).splitlines()
-        if "RealMemory=" in line
-    ]
-    if not memory:
-        raise WorkflowError(f"scontrol shows no node memory for partition {partition}")
-    return min(memory)
-
-
 def default_mem_mb(wildcards, attempt):
     """Jobs that no receipt sizes."""
-    return JOB["mem_mb"] * attempt
+    return JOB.default_mem_mb(attempt)
 
 
 def default_runtime(wildcards, attempt):
     """Minutes, for jobs that nothing times in advance."""
-    return JOB["runtime_min"] * attempt
+    return JOB.default_runtime(attempt)
 
 
 def sft_runtime(wildcards, attempt):
-    return first_attempt_limit("sft", JOB["sft_runtime_min"] * attempt, attempt)
-
-
-def first_attempt_cap(key, stage, attempt):
-    """The configured cap `key` of a training stage's first attempt (0: none)."""
-    return config[key].get(stage, 0) if attempt == 1 else 0
+    return first_attempt_limit("sft", JOB.sft_runtime_min * attempt, attempt)
 
 
 def first_attempt_limit(stage, runtime_min, attempt):
     """`first_attempt_runtime_min` caps the first attempt's time limit, so the job meets
     its limit (and the pre-timeout signal) while it trains, and the retry resumes."""
-    cap = first_attempt_cap("first_attempt_runtime_min", stage, attempt)
-    return min(runtime_min, cap) if cap else runtime_min
-
-
-def rss_mem_mb(rss_mb, attempt):
-    """A job's memory request from an RSS figure: the margin, the in-job overhead, the attempt."""
-    return math.ceil(rss_mb * JOB["mem_margin"] + JOB["mem_overhead_mb"]) * attempt
+    caps = config["first_attempt_runtime_min"]
+    return capped(runtime_min, first_attempt_cap(caps, stage, attempt))
 
 
 def projected_mem_mb(
@@ -499,13 +440,13 @@ def projected_mem_mb(
             c for c in (Path(checkpoint), BASE_MODEL) if (c / "config.json").is_file()
         ]
         if not found:
-            return default_mem_mb(wildcards, attempt)
+            return JOB.default_mem_mb(attempt)
         present = [Path(p) for p in shards(wildcards) if Path(p).is_file()]
         shard_bytes = sum(p.stat().st_size for p in present)
         widths = RowWidths.of(present)
         shape = job_shape(stage, cfg(wildcards), topo.nodes, seq_len(), widths)
         projection = projected_job_rss(shape, found[0], shard_bytes)
-        return rss_mem_mb(projection["node_mb"], attempt)
+        return JOB.rss_mem_mb(projection["node_mb"], attempt)
 
     return mem_mb
 
@@ -523,7 +464,7 @@ def probe_mem_mb(wildcards, input, attempt):
     preflight = receipt_json(input.preflight)
     if preflight is None:
         return preflight_mem_mb(wildcards, attempt)
-    return rss_mem_mb(preflight["figures"]["node_mb"], attempt)
+    return JOB.rss_mem_mb(preflight["figures"]["node_mb"], attempt)
 
 
 def dpo_mem_mb(wildcards, input, attempt):
@@ -534,32 +475,15 @@ def dpo_mem_mb(wildcards, input, attempt):
         return preflight_mem_mb(wildcards, attempt)
     projection = probe["projection"]
     measured = probe["figures"]["peak_rss_mb"] / projection["nodes"]
-    return rss_mem_mb(max(projection["node_mb"], measured), attempt)
-
-
-def checkpoint_s(probe):
-    """One checkpoint save: the probe's timing when its receipt has one, else the allowance."""
-    measured = probe["figures"].get("checkpoint_s") if probe else None
-    return measured if measured is not None else JOB["checkpoint_s"]
-
-
-def stop_window_s(probe):
-    """Seconds a stop needs: the optimizer step in flight (twice the probe's median, or
-    nothing where no probe measured one), one checkpoint save, and the processes' exit.
-
-    torchrun waits this long for stopped workers before it kills them, and Slurm signals
-    the job step (SIGTERM) this long before its time limit.
-    """
-    step = probe["figures"]["median_step_s"] if probe else 0.0
-    return math.ceil(2 * step + checkpoint_s(probe)) + JOB["exit_grace_s"]
+    return JOB.rss_mem_mb(max(projection["node_mb"], measured), attempt)
 
 
 def dpo_stop_window_s(wildcards, input):
-    return stop_window_s(receipt_json(input.probe))
+    return JOB.stop_window_s(receipt_json(input.probe))
 
 
 def unmeasured_stop_window_s(wildcards, input=None):
-    return stop_window_s(None)
+    return JOB.stop_window_s(None)
 
 
 def pre_timeout_signal(window):
@@ -572,24 +496,12 @@ def pre_timeout_signal(window):
     return slurm_extra
 
 
-def stop_reserve_s(probe):
-    """Seconds of a job outside the trainer's own clock, plus the save at a stop.
-
-    The trainer's clock starts after the gates and the model load, and a stop saves a
-    checkpoint after the step in flight; the evaluation and export after the last step
-    fall outside it too.
-    """
-    return JOB["startup_s"] + checkpoint_s(probe)
-
-
 def dpo_runtime(wildcards, input, attempt):
     """Minutes: the probe's projected wall-clock with its margin, the reserve, the attempt."""
     probe = receipt_json(input.probe)
     if probe is None:
-        return default_runtime(wildcards, attempt)
-    projected = probe["figures"]["projected_wall_s"] * JOB["runtime_margin"]
-    runtime = math.ceil((projected + stop_reserve_s(probe)) / 60) * attempt
-    return first_attempt_limit("dpo", runtime, attempt)
+        return JOB.default_runtime(attempt)
+    return first_attempt_limit("dpo", JOB.probe_runtime(probe, attempt), attempt)
 
 
 def trainer_resume(wildcards, attempt):
@@ -623,33 +535,23 @@ def time_limited():
     return workflow.non_local_exec or workflow.remote_exec
 
 
-def wall_seconds(stage, runtime_min, reserve_s, attempt):
-    """The trainer's budget (0: none): the job's time limit less the reserve.
-
-    So the stage stops at a step boundary and saves before Slurm's SIGTERM and SIGKILL.
+def trainer_wall_s(stage, runtime_min, reserve_s, attempt):
+    """The trainer's budget inside the job's time limit (align.workflow.resources);
     `first_attempt_wall_s` caps the first attempt, which makes the resumed retry testable.
     """
-    cap = first_attempt_cap("first_attempt_wall_s", stage, attempt)
-    if not time_limited():
-        return cap
-    wall = math.floor(runtime_min * 60 - reserve_s)
-    if wall <= 0:
-        raise ValueError(
-            f"time limit {runtime_min} min leaves no training time after the "
-            f"{reserve_s:.0f} s reserve (job_resources.startup_s + checkpoint_s)"
-        )
-    return min(wall, cap) if cap else wall
+    cap = first_attempt_cap(config["first_attempt_wall_s"], stage, attempt)
+    return wall_seconds(runtime_min, reserve_s, cap, time_limited())
 
 
 def dpo_wall_s(wildcards, input, attempt):
     probe = receipt_json(input.probe)
     runtime = dpo_runtime(wildcards, input, attempt)
-    return wall_seconds("dpo", runtime, stop_reserve_s(probe), attempt)
+    return trainer_wall_s("dpo", runtime, JOB.stop_reserve_s(probe), attempt)
 
 
 def sft_wall_s(wildcards, attempt):
-    return wall_seconds(
-        "sft", sft_runtime(wildcards, attempt), stop_reserve_s(None), attempt
+    return trainer_wall_s(
+        "sft", sft_runtime(wildcards, attempt), JOB.stop_reserve_s(None), attempt
     )
 
 

@@ -78,8 +78,10 @@ rule dpo:
         slurm_extra=pre_timeout_signal(dpo_stop_window_s),
     params:
         run=RUN_OVERRIDES,
-        # Exit 5 (tripwire fired after the rerun) leaves a result that selection reads.
-        launch=launcher(arm_layout, stop_marker=arm_stop_marker, accept_exit=5),
+        # A tripwire that fired after the rerun (exit 5) leaves a result that selection reads.
+        launch=launcher(
+            arm_layout, stop_marker=arm_stop_marker, accept_exit=(TRIPWIRE,)
+        ),
         rank_threads=layout_rank_threads(arm_layout),
     shell:
         "exec {params.launch} {input.script} {input.config} {params.run}"

@@ -25,7 +25,7 @@ LAYERS = (
     ("train",),
     ("stages", "launch"),
     ("report",),
-    ("cli",),
+    ("workflow", "cli"),
 )
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 

@@ -1,0 +1,130 @@
+"""align.workflow without Snakemake: job memory and time from receipts, the trainer's budget
+inside a time limit, Slurm's answers, and the launch command of one and several nodes."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+import yaml
+
+from align.exit_codes import ConfigError
+from align.topology import Topology
+from align.workflow import slurm
+from align.workflow.commands import image_entry, launch_command, srun_prefix
+from align.workflow.resources import JobResources, capped, first_attempt_cap, wall_seconds
+from conftest import REPO
+
+JOB = JobResources.of(
+    {
+        "mem_mb": 1000,
+        "runtime_min": 7,
+        "sft_runtime_min": 9,
+        "mem_margin": 1.25,
+        "mem_overhead_mb": 512,
+        "runtime_margin": 1.5,
+        "startup_s": 60,
+        "checkpoint_s": 10,
+        "exit_grace_s": 5,
+    }
+)
+PROBE = {"figures": {"median_step_s": 2.2, "checkpoint_s": 3.5, "projected_wall_s": 600.0}}
+
+
+def test_the_workflow_configs_job_resources_are_the_record_the_module_reads():
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    assert JobResources.of(config["job_resources"]).mem_margin == 1.25
+
+
+def test_memory_requests_scale_the_rss_by_the_margin_add_the_overhead_and_the_attempt():
+    assert JOB.rss_mem_mb(1000.0, 1) == 1762
+    assert JOB.rss_mem_mb(1000.0, 2) == 2 * 1762
+    assert JOB.default_mem_mb(3) == 3000
+
+
+def test_the_stop_window_is_two_steps_one_save_and_the_exit():
+    assert JOB.stop_window_s(PROBE) == 8 + 5  # ceil(2 x 2.2 + 3.5) + exit grace
+    assert JOB.stop_window_s(None) == 10 + 5  # no step measured; the allowance for a save
+
+
+def test_a_fractional_exit_grace_still_gives_slurm_whole_seconds():
+    grace = JobResources.of({**JOB.__dict__, "exit_grace_s": 2.5})
+    assert grace.stop_window_s(None) == 13
+    assert isinstance(grace.stop_window_s(None), int)
+
+
+def test_the_probe_runtime_is_its_projection_with_margin_and_reserve_per_attempt():
+    # (600 x 1.5 + 60 + 3.5) / 60 = 16.06 -> 17 minutes, doubled on the second attempt.
+    assert JOB.probe_runtime(PROBE, 1) == 17
+    assert JOB.probe_runtime(PROBE, 2) == 34
+
+
+def test_the_trainer_budget_is_the_time_limit_less_the_reserve_capped_on_a_first_attempt():
+    assert wall_seconds(10, 70.0, cap=0, time_limited=True) == 530
+    assert wall_seconds(10, 70.0, cap=100, time_limited=True) == 100
+    # Nothing limits a local job: only the first attempt's cap stops its trainer.
+    assert wall_seconds(10, 70.0, cap=0, time_limited=False) == 0
+    assert wall_seconds(10, 70.0, cap=100, time_limited=False) == 100
+
+
+def test_a_time_limit_inside_the_reserve_is_refused():
+    with pytest.raises(ValueError, match="leaves no training time after the 70 s reserve"):
+        wall_seconds(1, 70.0, cap=0, time_limited=True)
+
+
+def test_first_attempt_caps_apply_to_the_first_attempt_only():
+    caps = {"dpo": 1}
+    assert first_attempt_cap(caps, "dpo", 1) == 1
+    assert first_attempt_cap(caps, "dpo", 2) == 0
+    assert first_attempt_cap(caps, "sft", 1) == 0
+    assert capped(17, 1) == 1 and capped(17, 0) == 17
+
+
+@pytest.fixture
+def fake_scontrol(tmp_path, monkeypatch):
+    """An `scontrol` for a cluster whose default partition `cpu` has nodes of 64 and 32 GB."""
+    script = tmp_path / "scontrol"
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in\n'
+        '  "--oneliner show partition") echo "PartitionName=gpu Default=NO Nodes=g1";'
+        ' echo "PartitionName=cpu Default=YES Nodes=c[1-2]" ;;\n'
+        '  "--oneliner show partition cpu") echo "PartitionName=cpu Default=YES Nodes=c[1-2]" ;;\n'
+        '  "--oneliner show node c[1-2]") echo "NodeName=c1 RealMemory=64000";'
+        ' echo "NodeName=c2 RealMemory=32000" ;;\n'
+        '  *) echo "unexpected: $*" >&2; exit 1 ;;\n'
+        "esac\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+
+
+def test_the_default_partition_and_its_smallest_node_come_from_scontrol(fake_scontrol):
+    assert slurm.default_partition() == "cpu"
+    assert slurm.partition_node_memory_mb("cpu") == 32000
+
+
+def test_a_failing_scontrol_is_refused_naming_the_config_key_that_avoids_it(fake_scontrol):
+    with pytest.raises(ConfigError, match="set slurm_node_memory_mb in the workflow config"):
+        slurm.partition_node_memory_mb("gpu")
+
+
+def test_one_node_launches_without_srun_or_image_entry():
+    command = launch_command(Topology(1, 2), 15, stop_marker="results/sft/run/stopped.json")
+    assert command == (
+        "python -m align.launch --nproc=2 --nnodes=1 --shutdown-timeout=15"
+        " --stop-marker=results/sft/run/stopped.json"
+    )
+
+
+def test_a_multi_node_launch_runs_srun_on_the_host_and_enters_the_image_per_node():
+    topo = Topology(2, 4)
+    entry = image_entry("/scratch/run dir", "--nv --bind $PWD/results", "/images/align.sif")
+    command = launch_command(
+        topo, 40, per_node=srun_prefix(topo, 8, "gpu:h100:4") + entry, accept_exit=(5,)
+    )
+    assert command == (
+        "srun --nodes=2 --ntasks-per-node=1 --cpus-per-task=8 --gres=gpu:h100:4"
+        " apptainer exec --home '/scratch/run dir' --nv --bind $PWD/results /images/align.sif"
+        " python -m align.launch --nproc=4 --nnodes=2 --shutdown-timeout=40 --accept-exit=5"
+    )
