@@ -150,6 +150,7 @@ def measure_dpo(checkpoint, shard_path, root, args, reference, info) -> dict:
             run_dir=root / f"run-{name}",
             stage="dpo",
             info=info,
+            stage_started=time.monotonic(),
         )
         for name, adapter in adapters.items()
     }

@@ -186,6 +186,7 @@ def run_align(
         run_dir=run_dir,
         stage="dpo",
         info=info,
+        stage_started=time.monotonic(),
     )
     ends: list[tuple[float, float]] = []
     trainer.fit(on_step=lambda metrics: ends.append(_clocks()))

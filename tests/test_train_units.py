@@ -396,3 +396,30 @@ def test_ties_count_as_wrong():
     assert (summary["n"], summary["correct"]) == (4, 1)
     ref = np.zeros(4)
     assert implicit_reward_preference(chosen, rejected, ref, ref)["correct"] == 1
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("started_ago_s", "stops"), [(100.0, True), (10.0, False)])
+def test_the_wall_budget_counted_from_the_trainer_modules_import(
+    one_rank_group, started_ago_s, stops
+):
+    """max_wall_seconds counts from the start the stage passes in, not from whenever the
+    trainer's module happened to be imported."""
+    import time
+
+    from align.config import TrainerConfig
+    from align.train.trainer import StopRequest, Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.cfg = TrainerConfig(max_wall_seconds=50.0)
+    trainer.stop = StopRequest()
+    trainer.stage_started = time.monotonic() - started_ago_s
+    assert trainer._stop_requested() is stops

@@ -7,13 +7,13 @@ import stat
 
 import pytest
 import yaml
+from conftest import REPO
 
 from align.exit_codes import ConfigError
 from align.topology import Topology
 from align.workflow import slurm
 from align.workflow.commands import image_entry, launch_command, srun_prefix
 from align.workflow.resources import JobResources, capped, first_attempt_cap, wall_seconds
-from conftest import REPO
 
 JOB = JobResources.of(
     {

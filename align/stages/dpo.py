@@ -49,7 +49,14 @@ def _ref(cache: CacheInUse, shard: PairShard) -> tuple[torch.Tensor, torch.Tenso
     return torch.from_numpy(chosen), torch.from_numpy(rejected)
 
 
-def _setup(cfg: ArmConfig, ctx: GateContext, run_dir: Path, trainer_cfg, meter: PhaseMeter):
+def _setup(
+    cfg: ArmConfig,
+    ctx: GateContext,
+    run_dir: Path,
+    trainer_cfg,
+    meter: PhaseMeter,
+    stage_started: float,
+):
     info = start_session(run_dir, cfg.run, cfg.batch)
     shards = {split: PairShard(ctx.entry.shards[split], cfg.batch.share_prompt) for split in SPLITS}
     refs = {split: _ref(ctx.caches[split], shards[split]) for split in SPLITS}
@@ -65,6 +72,7 @@ def _setup(cfg: ArmConfig, ctx: GateContext, run_dir: Path, trainer_cfg, meter: 
         run_dir=run_dir,
         stage="dpo",
         info=info,
+        stage_started=stage_started,
         stop_marker=ctx.arm.stop_marker,
     )
     return info, shards, refs, model, trainer
@@ -82,12 +90,16 @@ def rank_device_peaks(local_device_mb: float | None) -> list[float]:
     return [] if local_device_mb is None else all_gather_floats(local_device_mb)
 
 
-def run_probe(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]:
+def run_probe(
+    cfg: ArmConfig, ctx: GateContext, stage_started: float
+) -> tuple[dict[str, Any], DistInfo]:
     probe_cfg = dataclasses.replace(
         cfg.trainer, max_micro_steps=cfg.trainer.probe_steps, resume=False, checkpoint_every=0
     )
     meter = PhaseMeter(cfg.run.device)
-    info, shards, _, model, trainer = _setup(cfg, ctx, ctx.arm.probe_run_dir, probe_cfg, meter)
+    info, shards, _, model, trainer = _setup(
+        cfg, ctx, ctx.arm.probe_run_dir, probe_cfg, meter, stage_started
+    )
     tokens_per_s: list[float] = []
     with meter.phase("train"):
         trainer.fit(on_step=lambda m: tokens_per_s.append(m["tokens_per_s"]))
@@ -283,10 +295,17 @@ def run_record(cfg: ArmConfig) -> dict[str, Any]:
 
 
 def _train_once(
-    cfg: ArmConfig, ctx: GateContext, run_dir: Path, name: str, meter: PhaseMeter
+    cfg: ArmConfig,
+    ctx: GateContext,
+    run_dir: Path,
+    name: str,
+    meter: PhaseMeter,
+    stage_started: float,
 ) -> dict[str, Any]:
     """One training run from the SFT checkpoint; the first alarm ends it."""
-    info, shards, refs, model, trainer = _setup(cfg, ctx, run_dir, cfg.trainer, meter)
+    info, shards, refs, model, trainer = _setup(
+        cfg, ctx, run_dir, cfg.trainer, meter, stage_started
+    )
     with meter.phase("train"):
         return _fit_with_wires(cfg, ctx, name, info, shards, refs, model, trainer)
 
@@ -383,7 +402,9 @@ class Trained:
     policy_fingerprint: dict[str, list[int]]
 
 
-def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]:
+def run_dpo(
+    cfg: ArmConfig, ctx: GateContext, stage_started: float
+) -> tuple[dict[str, Any], DistInfo]:
     """Train the arm (on an alarm, rerun once from SFT with the pre-registered response),
     export the policy, then score it and the SFT policy on the held-out pairs."""
     trained = trained_before(cfg, ctx)
@@ -391,7 +412,7 @@ def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]
     policy = ctx.paths.recorded(ctx.arm.policy_dir)
     with PhaseStops("dpo", ctx.arm.stop_marker, policy) as stops:
         if trained is None:
-            trained, final = train_and_export(cfg, ctx, meter)
+            trained, final = train_and_export(cfg, ctx, meter, stage_started)
             stops.stop_if_requested(EXPORT)
             info, model = final["info"], final["model"]
             held, ref_held = final["shards"]["held"], final["refs"]["held"]
@@ -418,21 +439,22 @@ def run_dpo(cfg: ArmConfig, ctx: GateContext) -> tuple[dict[str, Any], DistInfo]
 
 
 def train_and_export(
-    cfg: ArmConfig, ctx: GateContext, meter: PhaseMeter
+    cfg: ArmConfig, ctx: GateContext, meter: PhaseMeter, stage_started: float
 ) -> tuple[Trained, dict[str, Any]]:
     """The first run and, after an alarm, the rerun; the result run's policy exported and
     what training decided recorded beside it."""
     first_dir = ctx.arm.training_run_dir(FIRST_RUN)
     first = ended_first_run(cfg, first_dir)
     if first is None:
-        first = _train_once(cfg, ctx, first_dir, FIRST_RUN, meter)
+        first = _train_once(cfg, ctx, first_dir, FIRST_RUN, meter, stage_started)
         if first["alarms"]:
             record_ended_run(first, first_dir)
             del first["model"]  # the rerun starts again from SFT; one policy stays in memory
     runs, final, final_cfg, response = [first], first, cfg, None
     if first["alarms"]:
         final_cfg, response = with_response(cfg)
-        final = _train_once(final_cfg, ctx, ctx.arm.training_run_dir(RERUN), RERUN, meter)
+        rerun_dir = ctx.arm.training_run_dir(RERUN)
+        final = _train_once(final_cfg, ctx, rerun_dir, RERUN, meter, stage_started)
         runs.append(final)
     info = final["info"]
     if info.is_main:

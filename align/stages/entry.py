@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,8 @@ class Stage:
     def __init__(self, name: str):
         self.name = name
         self.started_at = now_iso()
+        # Where the trainer's max_wall_seconds counts from: the job's budget.
+        self.started = time.monotonic()
         if is_main_process():
             print(f"align {name}: {command_line()}", file=sys.stderr, flush=True)
 

@@ -29,7 +29,10 @@ from align.utils.weights_hash import weights_fingerprint
 
 
 def run_sft(
-    cfg: SftConfig, paths: RunPaths, projection: dict[str, Any] | None = None
+    cfg: SftConfig,
+    paths: RunPaths,
+    stage_started: float,
+    projection: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train from the base model and export, or on a retry after a stop in export or
     evaluation, reload the export; then the held-out NLL. A stop after training ends at the
@@ -44,7 +47,7 @@ def run_sft(
     with PhaseStops("sft", marker, policy) as stops:
         trained = sft_trained_before(cfg, paths)
         if trained is None:
-            model, summary = train_and_export(cfg, paths, info, train, meter)
+            model, summary = train_and_export(cfg, paths, info, train, meter, stage_started)
             stops.stop_if_requested(EXPORT)
         else:
             summary = trained["training"]
@@ -69,7 +72,9 @@ def run_sft(
     }, info
 
 
-def train_and_export(cfg: SftConfig, paths: RunPaths, info, train, meter: PhaseMeter):
+def train_and_export(
+    cfg: SftConfig, paths: RunPaths, info, train, meter: PhaseMeter, stage_started: float
+):
     """The trained policy, exported, and what training recorded beside the export."""
     with meter.phase("load"):
         model = load_policy(cfg.run.base_model, cfg.model, info, cfg.trainer)
@@ -83,6 +88,7 @@ def train_and_export(cfg: SftConfig, paths: RunPaths, info, train, meter: PhaseM
         run_dir=paths.sft_run_dir,
         stage="sft",
         info=info,
+        stage_started=stage_started,
     )
     with meter.phase("train"):
         summary = trainer.fit()

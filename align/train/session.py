@@ -76,6 +76,7 @@ def build_trainer(
     run_dir: str | Path,
     stage: str,
     info: DistInfo,
+    stage_started: float,
     stop_marker: Path | None = None,
 ) -> Trainer:
     check_shard_layout(shard, batch)
@@ -94,6 +95,7 @@ def build_trainer(
         stage,
         info,
         optim.grad_clip,
+        stage_started,
         stop_marker,
     )
 

@@ -30,8 +30,6 @@ from align.train.checkpointing import CheckpointManager
 from align.utils.dist import DistInfo, all_reduce_sum, any_rank, barrier
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# max_wall_seconds is the job's budget: every trainer of the stage's process counts from here.
-STAGE_STARTED = time.monotonic()
 
 
 def reduce_step_sums(
@@ -99,9 +97,13 @@ class Trainer:
         stage: str,
         info: DistInfo,
         grad_clip: float,
+        stage_started: float,
         stop_marker: Path | None = None,
     ):
         self.cfg, self.model, self.source, self.adapter = cfg, model, source, adapter
+        # max_wall_seconds is the job's budget: every trainer of a stage counts from the
+        # stage's start (time.monotonic()), a rerun's too.
+        self.stage_started = stage_started
         self.optimizer, self.scheduler, self.grad_clip = optimizer, scheduler, grad_clip
         self.run_dir, self.stage, self.info = Path(run_dir), stage, info
         self.checkpoints = CheckpointManager(self.run_dir, info, cfg.keep_checkpoints)
@@ -261,7 +263,7 @@ class Trainer:
     def _stop_requested(self) -> bool:
         over_time = (
             bool(self.cfg.max_wall_seconds)
-            and time.monotonic() - STAGE_STARTED > self.cfg.max_wall_seconds
+            and time.monotonic() - self.stage_started > self.cfg.max_wall_seconds
         )
         return any_rank(self.stop.signal is not None or over_time)
 

@@ -11,6 +11,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,7 @@ def main() -> None:
         run_dir=run_dir,
         stage="dpo",
         info=info,
+        stage_started=time.monotonic(),
     )
     if ns.kill_in_checkpoint_at:
         _kill_while_checkpointing(trainer, ns.kill_in_checkpoint_at)

@@ -52,7 +52,7 @@ def main() -> None:
 def write_probe(loaded, ctx: GateContext, stage: Stage, out, common: dict) -> None:
     from align.stages.dpo import run_probe
 
-    figures, info = run_probe(loaded.cfg, ctx)
+    figures, info = run_probe(loaded.cfg, ctx, stage.started)
     phases = figures.pop("phases")
     b = loaded.cfg.batch
     if info.is_main:
@@ -83,7 +83,7 @@ def write_arm_result(loaded, ctx: GateContext, stage: Stage, out, common: dict) 
     from align.stages.dpo import run_dpo
     from align.utils.weights_hash import weights_hash
 
-    figures, info = run_dpo(loaded.cfg, ctx)
+    figures, info = run_dpo(loaded.cfg, ctx, stage.started)
     tripwire = figures.pop("tripwire")
     phases = figures.pop("phases")
     ended = tripwire["ended_by_tripwire"]

@@ -26,7 +26,7 @@ def main() -> None:
     from align.utils.dist import destroy_distributed
     from align.utils.weights_hash import weights_hash
 
-    figures, info = run_sft(cfg, paths, projection)
+    figures, info = run_sft(cfg, paths, stage.started, projection)
     phases = figures.pop("phases")
     if info.is_main:
         outputs = {paths.recorded(paths.sft_checkpoint): weights_hash(paths.sft_checkpoint)}
