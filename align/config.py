@@ -17,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 from align.constants import (
     ATTENTION_IMPLEMENTATIONS,
@@ -384,10 +384,16 @@ class TrainerConfig:
     max_skipped_fraction: float = 0.05
     # Recompute each layer's activations in backward: less memory for more compute.
     activation_checkpointing: bool = False
+    # A progress line in the log every this many optimizer steps (0: by time only) ...
+    progress_every_steps: int = 10
+    # ... or this many seconds, whichever comes first (0: by steps only).
+    progress_every_s: float = 60.0
 
     def checks(self) -> list[Check]:
         return [
             at_least("checkpoint_every", self.checkpoint_every, 0),
+            at_least("progress_every_steps", self.progress_every_steps, 0),
+            non_negative("progress_every_s", self.progress_every_s),
             at_least("keep_checkpoints", self.keep_checkpoints, 1),
             non_negative("max_wall_seconds", self.max_wall_seconds),
             at_least("max_micro_steps", self.max_micro_steps, 0),
@@ -500,6 +506,27 @@ class TripwireResponse:
     beta: float | None = None
     # The rerun's dpo.rpo_alpha: an NLL term on chosen that holds the chosen responses up.
     rpo_alpha: float | None = None
+    # Where each setting lands in the arm's configuration: (section, key), one per field.
+    TARGETS: ClassVar[dict[str, tuple[str, str]]] = {
+        "lr": ("optimizer", "lr"),
+        "beta": ("dpo", "beta"),
+        "rpo_alpha": ("dpo", "rpo_alpha"),
+    }
+
+    def changes(self) -> dict[str, float]:
+        """The settings the rerun changes, by field."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @classmethod
+    def settings_of(cls, arm: Any) -> dict[str, float]:
+        """What an arm's configuration holds for every setting a response can change."""
+        return {key: getattr(getattr(arm, s), k) for key, (s, k) in cls.TARGETS.items()}
+
+    def applied_to(self, arm: Any) -> None:
+        """The response's settings written into `arm` (a copy the rerun runs under)."""
+        for key, value in self.changes().items():
+            section, name = self.TARGETS[key]
+            setattr(getattr(arm, section), name, value)
 
     def checks(self) -> list[Check]:
         return [
@@ -1035,7 +1062,9 @@ def _non_none(union_args: tuple) -> Any:
 def leaf_paths(cls: type, prefix: str = "") -> dict[str, Any]:
     """Every settable dotted key of `cls` with its type hint."""
     out: dict[str, Any] = {}
-    for name, hint in typing.get_type_hints(cls).items():
+    hints = typing.get_type_hints(cls)
+    for name in (f.name for f in dataclasses.fields(cls)):
+        hint = hints[name]
         if dataclasses.is_dataclass(hint):
             out.update(leaf_paths(hint, f"{prefix}{name}."))
         else:

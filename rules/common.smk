@@ -14,7 +14,13 @@ from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
 from align.data.shards import RowWidths
 from align.exit_codes import TRIPWIRE, ConfigError
 from align.topology import Topology, topology
-from align.train.memory import job_shape, projected_job_rss, selection_seq_len
+from align.train.memory import (
+    MemoryVerdict,
+    job_shape,
+    projected_job_rss,
+    selection_seq_len,
+)
+from align.train.probes import ProbeReceipt
 from align.model.checkpoint_files import checkpoint_files, planned_checkpoint_files
 from align.paths import SPLITS, ReportPaths, RunPaths, SelectionPaths
 from align.receipts import read_json
@@ -245,11 +251,6 @@ def job_image_entry():
     return image_entry(os.getcwd(), settings.apptainer_args, CONTAINER)
 
 
-def receipt_json(path):
-    """A receipt as a dict, or None while it does not exist."""
-    return read_json(path) if Path(path).is_file() else None
-
-
 def arm_layout(wildcards):
     """The arm's ranks on nodes (ref_cache, path_bias, probe, dpo) and their device."""
     cfg = arm_cfg(wildcards.arm)
@@ -461,25 +462,24 @@ preflight_mem_mb = projected_mem_mb(
 def probe_mem_mb(wildcards, input, attempt):
     """The preflight's projected RSS of the fullest node, for the optimizer the stage runs
     (before the preflight has run, the same projection made here)."""
-    preflight = receipt_json(input.preflight)
+    preflight = MemoryVerdict.read(input.preflight)
     if preflight is None:
         return preflight_mem_mb(wildcards, attempt)
-    return JOB.rss_mem_mb(preflight["figures"]["node_mb"], attempt)
+    return JOB.rss_mem_mb(preflight.node_mb, attempt)
 
 
 def dpo_mem_mb(wildcards, input, attempt):
     """The preflight's projection as the probe ran it, or the probe's measured peak (per
     node) if higher (before the probe has run, the preflight's projection made here)."""
-    probe = receipt_json(input.probe)
+    probe = ProbeReceipt.read(input.probe)
     if probe is None:
         return preflight_mem_mb(wildcards, attempt)
-    projection = probe["projection"]
-    measured = probe["figures"]["peak_rss_mb"] / projection["nodes"]
-    return JOB.rss_mem_mb(max(projection["node_mb"], measured), attempt)
+    node_mb = max(probe.projected_node_mb, probe.measured_node_mb)
+    return JOB.rss_mem_mb(node_mb, attempt)
 
 
 def dpo_stop_window_s(wildcards, input):
-    return JOB.stop_window_s(receipt_json(input.probe))
+    return JOB.stop_window_s(ProbeReceipt.read(input.probe))
 
 
 def unmeasured_stop_window_s(wildcards, input=None):
@@ -498,7 +498,7 @@ def pre_timeout_signal(window):
 
 def dpo_runtime(wildcards, input, attempt):
     """Minutes: the probe's projected wall-clock with its margin, the reserve, the attempt."""
-    probe = receipt_json(input.probe)
+    probe = ProbeReceipt.read(input.probe)
     if probe is None:
         return JOB.default_runtime(attempt)
     return first_attempt_limit("dpo", JOB.probe_runtime(probe, attempt), attempt)
@@ -544,7 +544,7 @@ def trainer_wall_s(stage, runtime_min, reserve_s, attempt):
 
 
 def dpo_wall_s(wildcards, input, attempt):
-    probe = receipt_json(input.probe)
+    probe = ProbeReceipt.read(input.probe)
     runtime = dpo_runtime(wildcards, input, attempt)
     return trainer_wall_s("dpo", runtime, JOB.stop_reserve_s(probe), attempt)
 

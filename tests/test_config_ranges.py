@@ -83,6 +83,8 @@ TRAINER = {
     "probe_steps": 0,
     "max_consecutive_skipped_steps": -1,
     "max_skipped_fraction": 5.0,
+    "progress_every_steps": -1,
+    "progress_every_s": -1.0,
 }
 TRAINER_EXEMPT = {"resume": FREE_BOOL, "activation_checkpointing": FREE_BOOL}
 RUN = {

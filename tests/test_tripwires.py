@@ -3,6 +3,7 @@ across two ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -197,3 +198,18 @@ def test_an_armed_generation_wire_needs_its_band_and_an_unarmed_one_takes_no_che
     assert "generation_terminated" not in wires.bands()
     with pytest.raises(ValueError, match="not armed"):
         wires.check_generation(0, check(1.0, 18.0), never)
+
+
+def test_every_wire_has_its_disarming_reason_and_every_reason_a_wire():
+    wires = {f.name for f in dataclasses.fields(TripwireConfig) if f.type in (bool, "bool")}
+    assert {f.name for f in dataclasses.fields(DisarmedWires)} == wires
+
+
+def test_every_rerun_response_setting_lands_in_the_arm_and_is_recorded():
+    from align.config import ArmConfig, TripwireResponse
+
+    fields = {f.name for f in dataclasses.fields(TripwireResponse)}
+    assert set(TripwireResponse.TARGETS) == fields
+    arm = ArmConfig(arm="a")
+    TripwireResponse(lr=1e-7, beta=0.5, rpo_alpha=1.0).applied_to(arm)
+    assert TripwireResponse.settings_of(arm) == {"lr": 1e-7, "beta": 0.5, "rpo_alpha": 1.0}

@@ -11,6 +11,7 @@ from conftest import REPO
 
 from align.exit_codes import ConfigError
 from align.topology import Topology
+from align.train.probes import ProbeReceipt
 from align.workflow import slurm
 from align.workflow.commands import image_entry, launch_command, srun_prefix
 from align.workflow.resources import JobResources, capped, first_attempt_cap, wall_seconds
@@ -28,7 +29,17 @@ JOB = JobResources.of(
         "exit_grace_s": 5,
     }
 )
-PROBE = {"figures": {"median_step_s": 2.2, "checkpoint_s": 3.5, "projected_wall_s": 600.0}}
+PROBE = ProbeReceipt.of(
+    {
+        "figures": {
+            "median_step_s": 2.2,
+            "checkpoint_s": 3.5,
+            "projected_wall_s": 600.0,
+            "peak_rss_mb": 3000.0,
+        },
+        "projection": {"node_mb": 1400.0, "nodes": 2},
+    }
+)
 
 
 def test_the_workflow_configs_job_resources_are_the_record_the_module_reads():
@@ -128,3 +139,11 @@ def test_a_multi_node_launch_runs_srun_on_the_host_and_enters_the_image_per_node
         " apptainer exec --home '/scratch/run dir' --nv --bind $PWD/results /images/align.sif"
         " python -m align.launch --nproc=4 --nnodes=2 --shutdown-timeout=40 --accept-exit=5"
     )
+
+
+def test_the_probe_receipt_gives_the_measured_peak_per_node_beside_the_projection():
+    assert PROBE.measured_node_mb == 1500.0 and PROBE.projected_node_mb == 1400.0
+
+
+def test_an_absent_receipt_reads_as_not_yet_measured(tmp_path):
+    assert ProbeReceipt.read(tmp_path / "probe.json") is None

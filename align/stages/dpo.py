@@ -12,7 +12,6 @@ import dataclasses
 import functools
 import json
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from align.config import ArmConfig, DisarmedWires
+from align.config import ArmConfig, DisarmedWires, TripwireResponse
 from align.data.loader import PairShard
 from align.eval.generation import generation_check, generation_prompts
 from align.eval.preference import implicit_reward_preference, policy_preference, score_pairs
@@ -30,7 +29,7 @@ from align.losses.dpo import DPOObjective
 from align.paths import FIRST_RUN, RERUN, SPLITS, ended_run_in, trained_record_in
 from align.receipts import write_json_atomic
 from align.stages.entry import is_main_process
-from align.stages.gates import CacheInUse, GateContext
+from align.stages.gates import CacheInUse, Gated, Probed
 from align.stages.phase_stops import EVALUATE, EXPORT, PhaseStops, resume_evaluation
 from align.train.adapters import DpoAdapter
 from align.train.path_bias import TrainingPath
@@ -41,7 +40,10 @@ from align.train.ref_cache import load_ref_cache
 from align.train.session import build_trainer, export_policy, load_policy, start_session
 from align.train.tripwires import Alarm, Tripwires, describe_alarm
 from align.utils.dist import DistInfo, all_gather_floats, any_rank, barrier
+from align.utils.log import stage_logger
 from align.utils.weights_hash import weights_fingerprint
+
+LOG = stage_logger("dpo")
 
 
 def _ref(cache: CacheInUse, shard: PairShard) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,19 +51,34 @@ def _ref(cache: CacheInUse, shard: PairShard) -> tuple[torch.Tensor, torch.Tenso
     return torch.from_numpy(chosen), torch.from_numpy(rejected)
 
 
+@dataclass
+class Session:
+    """A training run's live objects: the ranks, the shards and reference log-probs by
+    split, the policy and its trainer."""
+
+    info: DistInfo
+    shards: dict[str, PairShard]
+    refs: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    model: Any
+    trainer: Any
+
+
 def _setup(
     cfg: ArmConfig,
-    ctx: GateContext,
+    gated: Gated,
     run_dir: Path,
     trainer_cfg,
     meter: PhaseMeter,
     stage_started: float,
-):
+    projected_wall_s: float | None = None,
+) -> Session:
     info = start_session(run_dir, cfg.run, cfg.batch)
-    shards = {split: PairShard(ctx.entry.shards[split], cfg.batch.share_prompt) for split in SPLITS}
-    refs = {split: _ref(ctx.caches[split], shards[split]) for split in SPLITS}
+    shards = {
+        split: PairShard(gated.entry.shards[split], cfg.batch.share_prompt) for split in SPLITS
+    }
+    refs = {split: _ref(gated.caches[split], shards[split]) for split in SPLITS}
     with meter.phase("load"):
-        model = load_policy(ctx.checkpoint, cfg.model, info, trainer_cfg)
+        model = load_policy(gated.checkpoint, cfg.model, info, trainer_cfg)
     trainer = build_trainer(
         model,
         shards["train"],
@@ -73,9 +90,10 @@ def _setup(
         stage="dpo",
         info=info,
         stage_started=stage_started,
-        stop_marker=ctx.arm.stop_marker,
+        stop_marker=gated.arm.stop_marker,
+        projected_wall_s=projected_wall_s,
     )
-    return info, shards, refs, model, trainer
+    return Session(info, shards, refs, model, trainer)
 
 
 def local_device_peak_mb(info: DistInfo) -> float | None:
@@ -91,20 +109,19 @@ def rank_device_peaks(local_device_mb: float | None) -> list[float]:
 
 
 def run_probe(
-    cfg: ArmConfig, ctx: GateContext, stage_started: float
+    cfg: ArmConfig, gated: Gated, stage_started: float
 ) -> tuple[dict[str, Any], DistInfo]:
     probe_cfg = dataclasses.replace(
         cfg.trainer, max_micro_steps=cfg.trainer.probe_steps, resume=False, checkpoint_every=0
     )
     meter = PhaseMeter(cfg.run.device)
-    info, shards, _, model, trainer = _setup(
-        cfg, ctx, ctx.arm.probe_run_dir, probe_cfg, meter, stage_started
-    )
+    session = _setup(cfg, gated, gated.arm.probe_run_dir, probe_cfg, meter, stage_started)
+    info, model, trainer = session.info, session.model, session.trainer
     tokens_per_s: list[float] = []
     with meter.phase("train"):
         trainer.fit(on_step=lambda m: tokens_per_s.append(m["tokens_per_s"]))
         checkpoint_s = timed_save(trainer)
-        generation_s = timed_generation_check(cfg, ctx, shards["held"], model, info)
+        generation_s = timed_generation_check(cfg, gated, session.shards["held"], model, info)
     beside = Beside(
         checkpoint_s,
         cfg.trainer.checkpoint_every,
@@ -114,7 +131,7 @@ def run_probe(
     # The job's peak is its fullest phase's; every rank's device peak is the training one.
     rss = meter.job_host_peak_mb()
     device_peaks = rank_device_peaks(local_device_peak_mb(info))
-    projected = ctx.projection.device_allocated_mb
+    projected = gated.projection.device_allocated_mb
     figures = probe_figures(
         trainer.state.step_times,
         tokens_per_s,
@@ -132,15 +149,15 @@ def run_probe(
         "checkpoint_s": checkpoint_s,
         "training_path": path.as_dict(),
         **placed,
-        "phases": meter.report(ctx.projection.figures),
+        "phases": meter.report(gated.projection.figures),
     }, info
 
 
-def timed_generation_check(cfg: ArmConfig, ctx: GateContext, held, model, info) -> float | None:
+def timed_generation_check(cfg: ArmConfig, gated: Gated, held, model, info) -> float | None:
     """Seconds of one generation check as training runs it (None: the wire is unarmed)."""
     if not cfg.tripwires.generation:
         return None
-    schedule = GenerationSchedule.of(cfg, held, ctx.entry.pins)
+    schedule = GenerationSchedule.of(cfg, held, gated.entry.pins)
     started = time.perf_counter()
     schedule.run(model, info, 0)
     barrier()
@@ -159,28 +176,28 @@ def timed_save(trainer) -> float:
     return seconds
 
 
-def banner(cfg: ArmConfig, ctx: GateContext, model, info: DistInfo) -> str:
+def banner(cfg: ArmConfig, gated: Gated, model, info: DistInfo) -> str:
     """What is about to train, read off the running objects rather than the config."""
-    counts = ctx.entry.counts
+    counts = gated.entry.counts
     rows = [
         ("arm", cfg.arm),
-        ("checkpoint", f"{ctx.checkpoint} ({ctx.checkpoint_weights[:12]})"),
+        ("checkpoint", f"{gated.checkpoint} ({gated.checkpoint_weights[:12]})"),
         ("pairs", f"train {counts['train']}, held {counts['held']}"),
         (
             "cache",
-            f"{ctx.caches['train'].key['forward_impl']} shard {ctx.caches['train'].key['shard'][:12]}",
+            f"{gated.caches['train'].key['forward_impl']} shard {gated.caches['train'].key['shard'][:12]}",
         ),
-        ("path bias", f"ratio {ctx.path_bias.ratio:.3f} -> {ctx.path_bias.action}"),
+        ("path bias", f"ratio {gated.path_bias.ratio:.3f} -> {gated.path_bias.action}"),
         (
             "RSS projection",
-            f"{ctx.projection.total_mb:.0f} MiB for {ctx.projection.optimizer}",
+            f"{gated.projection.total_mb:.0f} MiB for {gated.projection.optimizer}",
         ),
         ("attention", model.attn_implementation),
         ("precision", describe_precision(model.precision)),
         ("world size", str(info.world_size)),
         (
             "projected wall",
-            f"{ctx.probe.projected_wall_s:.0f} s (probe median {ctx.probe.median_step_s:.3f} s/step)",
+            f"{gated.probe.projected_wall_s:.0f} s (probe median {gated.probe.median_step_s:.3f} s/step)",
         ),
     ]
     return "\n".join(f"  {name:<15} {value}" for name, value in rows)
@@ -204,27 +221,14 @@ def chosen_longer_baseline(shard: PairShard) -> float:
 
 def with_response(cfg: ArmConfig) -> tuple[ArmConfig, dict[str, Any]]:
     """The arm's configuration for its one rerun: the pre-registered response applied."""
-    response = {
-        k: v for k, v in dataclasses.asdict(cfg.tripwires.response).items() if v is not None
-    }
-    if not response:
+    response = cfg.tripwires.response
+    if not response.changes():
         raise ConfigError(
             f"arm {cfg.arm}: a tripwire fired but tripwires.response pre-registers no change"
         )
     rerun = copy.deepcopy(cfg)
-    targets = {
-        "lr": (rerun.optimizer, "lr"),
-        "beta": (rerun.dpo, "beta"),
-        "rpo_alpha": (rerun.dpo, "rpo_alpha"),
-    }
-    for key, value in response.items():
-        obj, name = targets[key]
-        if not hasattr(obj, name):
-            raise ConfigError(
-                f"tripwires.response.{key} is not supported by dpo.loss={cfg.dpo.loss!r}"
-            )
-        setattr(obj, name, value)
-    return rerun, response
+    response.applied_to(rerun)
+    return rerun, response.changes()
 
 
 @dataclass
@@ -261,12 +265,10 @@ class GenerationSchedule:
         record = {"step": steps_done, **check.as_dict()}
         self.checks.append(record)
         if info.is_main:
-            print(
-                f"align dpo: generation check after {steps_done} steps: "
+            LOG.info(
+                f"generation check after {steps_done} steps: "
                 f"{check.terminated_fraction:.3f} of {check.prompts} ended, "
-                f"mean {check.mean_tokens:.1f} tokens",
-                file=sys.stderr,
-                flush=True,
+                f"mean {check.mean_tokens:.1f} tokens"
             )
         return record
 
@@ -291,35 +293,70 @@ class WireState:
 
 def run_record(cfg: ArmConfig) -> dict[str, Any]:
     """The settings a rerun's response can change, as a run records them."""
-    return {"lr": cfg.optimizer.lr, "beta": cfg.dpo.beta, "rpo_alpha": cfg.dpo.rpo_alpha}
+    return TripwireResponse.settings_of(cfg)
+
+
+@dataclass
+class TrainingRun:
+    """One training run as the arm result needs it: its record (as ended.json and the
+    receipt hold it), its banner and generation band, and for a run trained in this
+    process its live session (None once dropped, or for a run read back)."""
+
+    record: dict[str, Any]
+    banner: str | None
+    band: GenerationBand | None
+    session: Session | None
+
+    @property
+    def alarms(self) -> list[dict[str, Any]]:
+        return self.record["alarms"]
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return self.record["summary"]
 
 
 def _train_once(
     cfg: ArmConfig,
-    ctx: GateContext,
+    gated: Probed,
     run_dir: Path,
     name: str,
     meter: PhaseMeter,
     stage_started: float,
-) -> dict[str, Any]:
+) -> TrainingRun:
     """One training run from the SFT checkpoint; the first alarm ends it."""
-    info, shards, refs, model, trainer = _setup(
-        cfg, ctx, run_dir, cfg.trainer, meter, stage_started
-    )
+    projected = gated.probe.projected_wall_s
+    session = _setup(cfg, gated, run_dir, cfg.trainer, meter, stage_started, projected)
     with meter.phase("train"):
-        return _fit_with_wires(cfg, ctx, name, info, shards, refs, model, trainer)
+        return _fit_with_wires(cfg, gated, name, session)
 
 
-def _fit_with_wires(cfg, ctx, name, info, shards, refs, model, trainer) -> dict[str, Any]:
+class BannerOnce:
+    """The run's banner, made once its probe steps are behind it (the figures it shows are
+    the run's own by then), and logged from rank 0."""
+
+    def __init__(self, probe_steps: int):
+        self.probe_steps = probe_steps
+        self.text: str | None = None
+
+    def show_when_due(self, micro_step: int, make) -> None:
+        if self.text is None and micro_step >= self.probe_steps:
+            self.text = make()
+            if is_main_process():
+                LOG.info(f"banner\n{self.text}")
+
+
+def _fit_with_wires(cfg: ArmConfig, gated: Probed, name: str, session: Session) -> TrainingRun:
     """The run's tripwires armed around its fit: the step-0 generation check, then every step."""
+    info, model, trainer, shards = session.info, session.model, session.trainer, session.shards
     schedule, band = None, None
     if cfg.tripwires.generation:
-        schedule = GenerationSchedule.of(cfg, shards["held"], ctx.entry.pins)
+        schedule = GenerationSchedule.of(cfg, shards["held"], gated.entry.pins)
         start = schedule.run(model, info, 0)
         chosen = chosen_responses(shards["held"].arrays, schedule.eos_id)
         band = GenerationBand.of(cfg.tripwires.generation_band, start, chosen)
     tripwires = Tripwires.armed(cfg.tripwires, chosen_longer_baseline(shards["train"]), band)
-    shown: list[str] = []
+    shown = BannerOnce(cfg.trainer.probe_steps)
     horizon = len(trainer.source)
 
     def on_step(metrics: dict[str, Any]) -> None:
@@ -329,63 +366,53 @@ def _fit_with_wires(cfg, ctx, name, info, shards, refs, model, trainer) -> dict[
         done = trainer.state.step
         if schedule is not None and schedule.due(done, horizon):
             alarms += tripwires.check_generation(done, schedule.run(model, info, done), any_rank)
-        if not shown and trainer.state.micro_step >= cfg.trainer.probe_steps:
-            shown.append(banner(cfg, ctx, model, info))
-            if info.is_main:
-                print(f"align dpo: banner\n{shown[0]}", file=sys.stderr, flush=True)
+        shown.show_when_due(trainer.state.micro_step, lambda: banner(cfg, gated, model, info))
         if alarms:
             raise TripwireAlarm(alarms)
 
-    run = {
-        "info": info,
-        "model": model,
-        "shards": shards,
-        "refs": refs,
-        "banner": None,
-        "alarms": [],
-    }
+    alarms: list[dict[str, Any]] = []
     try:
         if schedule is not None:
             # The SFT policy itself outside the band is an alarm before any training.
-            alarms = tripwires.check_generation(0, schedule.checks[0], any_rank)
-            if alarms:
-                raise TripwireAlarm(alarms)
-        run["summary"] = trainer.fit(on_step=on_step, rank_state=WireState(tripwires, schedule))
+            fired = tripwires.check_generation(0, schedule.checks[0], any_rank)
+            if fired:
+                raise TripwireAlarm(fired)
+        summary = trainer.fit(on_step=on_step, rank_state=WireState(tripwires, schedule))
     except TripwireAlarm as alarm:
-        run["alarms"] = [a.as_dict() for a in alarm.alarms]
-        run["summary"] = trainer.summary()
+        alarms = [a.as_dict() for a in alarm.alarms]
+        summary = trainer.summary()
         if info.is_main:
-            print(f"align dpo: {name}: tripwire fired: {alarm}", file=sys.stderr, flush=True)
-    run["banner"], run["band"] = (shown[0] if shown else None), band
-    run["record"] = {
+            LOG.warning(f"{name}: tripwire fired: {alarm}")
+    record = {
         "run": name,
         "config": run_record(cfg),
-        "summary": run["summary"],
-        "alarms": run["alarms"],
+        "summary": summary,
+        "alarms": alarms,
         "signals": tripwires.signals,
         "bands": tripwires.bands(),
         "generation_checks": schedule.checks if schedule else [],
         "generation_band": band.as_dict() if band else None,
     }
-    return run
+    return TrainingRun(record, shown.text, band, session)
 
 
-def ended_first_run(cfg: ArmConfig, run_dir: Path) -> dict[str, Any] | None:
+def ended_first_run(cfg: ArmConfig, run_dir: Path) -> TrainingRun | None:
     """On a retry, the first run a tripwire ended in an earlier attempt, as it recorded
     itself; the rerun then resumes without that run being trained to its alarm again."""
     path = ended_run_in(run_dir)
     if not cfg.trainer.resume or not path.is_file():
         return None
     ended = json.loads(path.read_text())
+    run = TrainingRun(ended["record"], ended["banner"], band=None, session=None)
     if is_main_process():
-        alarms = ", ".join(f"{a['name']} at step {a['step']}" for a in ended["record"]["alarms"])
-        print(f"align dpo: {FIRST_RUN}: ended by {alarms} (read from {path})", file=sys.stderr)
-    return {**ended, "alarms": ended["record"]["alarms"]}
+        alarms = ", ".join(f"{a['name']} at step {a['step']}" for a in run.alarms)
+        LOG.info(f"{FIRST_RUN}: ended by {alarms} (read from {path})")
+    return run
 
 
-def record_ended_run(run: dict[str, Any], run_dir: Path) -> None:
-    if run["info"].is_main:
-        write_json_atomic(ended_run_in(run_dir), {"record": run["record"], "banner": run["banner"]})
+def record_ended_run(run: TrainingRun, run_dir: Path) -> None:
+    if is_main_process():
+        write_json_atomic(ended_run_in(run_dir), {"record": run.record, "banner": run.banner})
 
 
 @dataclass(frozen=True)
@@ -402,25 +429,24 @@ class Trained:
     policy_fingerprint: dict[str, list[int]]
 
 
-def run_dpo(
-    cfg: ArmConfig, ctx: GateContext, stage_started: float
-) -> tuple[dict[str, Any], DistInfo]:
+def run_dpo(cfg: ArmConfig, gated: Probed, stage_started: float) -> tuple[dict[str, Any], DistInfo]:
     """Train the arm (on an alarm, rerun once from SFT with the pre-registered response),
     export the policy, then score it and the SFT policy on the held-out pairs."""
-    trained = trained_before(cfg, ctx)
+    trained = trained_before(cfg, gated)
     meter = PhaseMeter(cfg.run.device)
-    policy = ctx.paths.recorded(ctx.arm.policy_dir)
-    with PhaseStops("dpo", ctx.arm.stop_marker, policy) as stops:
+    policy = gated.paths.recorded(gated.arm.policy_dir)
+    with PhaseStops("dpo", gated.arm.stop_marker, policy) as stops:
         if trained is None:
-            trained, final = train_and_export(cfg, ctx, meter, stage_started)
+            trained, final = train_and_export(cfg, gated, meter, stage_started)
             stops.stop_if_requested(EXPORT)
-            info, model = final["info"], final["model"]
-            held, ref_held = final["shards"]["held"], final["refs"]["held"]
+            live = final.session
+            info, model = live.info, live.model
+            held, ref_held = live.shards["held"], live.refs["held"]
             resumed = None
         else:
-            info, model, held, ref_held, resumed = reload_exported(cfg, ctx, trained, meter)
+            info, model, held, ref_held, resumed = reload_exported(cfg, gated, trained, meter)
         with meter.phase("evaluate"):
-            held_out = evaluate(cfg, ctx, info, model, held, ref_held, stops)
+            held_out = evaluate(cfg, gated, info, model, held, ref_held, stops)
     figures: dict[str, Any] = {
         "world_size": info.world_size,
         "precision": model.precision,
@@ -431,7 +457,7 @@ def run_dpo(
         "held_out": held_out,
         "generation": trained.generation,
         # The probe projected the training loop's time (its steps, not generation checks).
-        "phases": meter.report(ctx.projection.figures, {"train": ctx.probe.projected_wall_s}),
+        "phases": meter.report(gated.projection.figures, {"train": gated.probe.projected_wall_s}),
     }
     if resumed is not None:
         figures["evaluation_resumed_after"] = resumed
@@ -439,73 +465,73 @@ def run_dpo(
 
 
 def train_and_export(
-    cfg: ArmConfig, ctx: GateContext, meter: PhaseMeter, stage_started: float
-) -> tuple[Trained, dict[str, Any]]:
+    cfg: ArmConfig, gated: Probed, meter: PhaseMeter, stage_started: float
+) -> tuple[Trained, TrainingRun]:
     """The first run and, after an alarm, the rerun; the result run's policy exported and
     what training decided recorded beside it."""
-    first_dir = ctx.arm.training_run_dir(FIRST_RUN)
+    first_dir = gated.arm.training_run_dir(FIRST_RUN)
     first = ended_first_run(cfg, first_dir)
     if first is None:
-        first = _train_once(cfg, ctx, first_dir, FIRST_RUN, meter, stage_started)
-        if first["alarms"]:
+        first = _train_once(cfg, gated, first_dir, FIRST_RUN, meter, stage_started)
+        if first.alarms:
             record_ended_run(first, first_dir)
-            del first["model"]  # the rerun starts again from SFT; one policy stays in memory
+            first.session = None  # the rerun starts again from SFT; one policy stays in memory
     runs, final, final_cfg, response = [first], first, cfg, None
-    if first["alarms"]:
+    if first.alarms:
         final_cfg, response = with_response(cfg)
-        rerun_dir = ctx.arm.training_run_dir(RERUN)
-        final = _train_once(final_cfg, ctx, rerun_dir, RERUN, meter, stage_started)
+        rerun_dir = gated.arm.training_run_dir(RERUN)
+        final = _train_once(final_cfg, gated, rerun_dir, RERUN, meter, stage_started)
         runs.append(final)
-    info = final["info"]
+    info = final.session.info
     if info.is_main:
-        print(f"align dpo: exporting the policy to {ctx.arm.policy_dir}", file=sys.stderr)
+        LOG.info(f"exporting the policy to {gated.arm.policy_dir}")
     with meter.phase("export"):
-        export_policy(final["model"], info, ctx.checkpoint, ctx.arm.policy_dir)
+        export_policy(final.session.model, info, gated.checkpoint, gated.arm.policy_dir)
         barrier()  # rank 0 writes the export; every rank reads its files below
     trained = Trained(
-        banner=final["banner"] or first["banner"],
-        training=final["summary"],
+        banner=final.banner or first.banner,
+        training=final.summary,
         final_config=run_record(final_cfg),
         generation=policy_generation(final),
         tripwire=tripwire_section(cfg, runs, response),
-        policy_fingerprint=weights_fingerprint(ctx.arm.policy_dir),
+        policy_fingerprint=weights_fingerprint(gated.arm.policy_dir),
     )
     if info.is_main:
-        write_json_atomic(trained_record_in(ctx.arm.run_dir), dataclasses.asdict(trained))
+        write_json_atomic(trained_record_in(gated.arm.run_dir), dataclasses.asdict(trained))
     barrier()
     return trained, final
 
 
-def trained_before(cfg: ArmConfig, ctx: GateContext) -> Trained | None:
+def trained_before(cfg: ArmConfig, gated: Probed) -> Trained | None:
     """On a retry, what an earlier attempt's training decided once it exported the policy."""
-    path = trained_record_in(ctx.arm.run_dir)
+    path = trained_record_in(gated.arm.run_dir)
     if not cfg.trainer.resume or not path.is_file():
         return None
     return Trained(**json.loads(path.read_text()))
 
 
-def reload_exported(cfg: ArmConfig, ctx: GateContext, trained: Trained, meter: PhaseMeter):
+def reload_exported(cfg: ArmConfig, gated: Probed, trained: Trained, meter: PhaseMeter):
     """The exported policy and the held-out pairs, for a retry that evaluates only; the stop
     it follows is read from the marker, which it then clears."""
-    info = start_session(ctx.arm.run_dir, cfg.run, cfg.batch)
-    policy = ctx.arm.policy_dir
-    resumed = resume_evaluation("dpo", policy, trained.policy_fingerprint, ctx.arm.stop_marker)
-    held = PairShard(ctx.entry.shards["held"], cfg.batch.share_prompt)
+    info = start_session(gated.arm.run_dir, cfg.run, cfg.batch)
+    policy = gated.arm.policy_dir
+    resumed = resume_evaluation("dpo", policy, trained.policy_fingerprint, gated.arm.stop_marker)
+    held = PairShard(gated.entry.shards["held"], cfg.batch.share_prompt)
     with meter.phase("load"):
         model = load_policy(policy, cfg.model, info)
-    return info, model, held, _ref(ctx.caches["held"], held), resumed
+    return info, model, held, _ref(gated.caches["held"], held), resumed
 
 
 def evaluate(
-    cfg: ArmConfig, ctx: GateContext, info: DistInfo, model, held: PairShard, ref_held, stops
+    cfg: ArmConfig, gated: Probed, info: DistInfo, model, held: PairShard, ref_held, stops
 ) -> dict[str, Any] | None:
     """The SFT and trained policies' held-out preference accuracy (rank 0's record)."""
     stops.stop_if_requested(EVALUATE)
     if info.is_main:
-        print(f"align dpo: evaluating {len(held)} held-out pairs", file=sys.stderr)
+        LOG.info(f"evaluating {len(held)} held-out pairs")
     between = functools.partial(stops.stop_if_requested, EVALUATE)
     eval_bs = cfg.eval.batch_size
-    sft_model = load_policy(ctx.checkpoint, cfg.model, info)
+    sft_model = load_policy(gated.checkpoint, cfg.model, info)
     sft_c, sft_r = score_pairs(sft_model, held, eval_bs, info, "eval sft", between_batches=between)
     pol_c, pol_r = score_pairs(model, held, eval_bs, info, "eval policy", between_batches=between)
     if not info.is_main:
@@ -520,23 +546,23 @@ def evaluate(
     }
 
 
-def policy_generation(run: dict[str, Any]) -> dict[str, Any] | None:
+def policy_generation(run: TrainingRun) -> dict[str, Any] | None:
     """The result policy's last generation check judged against its band (None: unarmed)."""
-    checks = run["record"]["generation_checks"]
+    checks = run.record["generation_checks"]
     if not checks:
         return None
     return {
         "step": checks[-1]["step"],
         "prompts": checks[-1]["prompts"],
-        **judge(run["band"], checks[-1]),
+        **judge(run.band, checks[-1]),
     }
 
 
 def tripwire_section(
-    cfg: ArmConfig, runs: list[dict[str, Any]], response: dict[str, Any] | None
+    cfg: ArmConfig, runs: list[TrainingRun], response: dict[str, Any] | None
 ) -> dict[str, Any]:
     """Both runs, which one is the result, and every signal that fired, run by run."""
-    records = [run["record"] for run in runs]
+    records = [run.record for run in runs]
     rerun = len(records) > 1
     return {
         "armed": armed_wires(cfg),

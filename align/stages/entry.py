@@ -18,6 +18,7 @@ from typing import Any
 from align.config import Loaded
 from align.exit_codes import ConfigError
 from align.receipts import hash_json, make_receipt, now_iso, write_json_atomic
+from align.utils.log import stage_logger
 
 
 @dataclass
@@ -65,8 +66,9 @@ class Stage:
         self.started_at = now_iso()
         # Where the trainer's max_wall_seconds counts from: the job's budget.
         self.started = time.monotonic()
+        self.log = stage_logger(name)
         if is_main_process():
-            print(f"align {name}: {command_line()}", file=sys.stderr, flush=True)
+            self.log.info(command_line())
 
     def receipt(
         self,

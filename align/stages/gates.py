@@ -8,7 +8,6 @@ names are resolved against the results directory in use (`RunPaths.resolve`).
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,9 +21,11 @@ from align.model.tokenizer_hash import tokenizer_hash
 from align.paths import SPLITS, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, load_receipt, verify_hash
 from align.train.memory import (
+    MemoryVerdict,
     check_stage_rss,
 )
 from align.train.path_bias import RECOMPUTE, TrainingPath, required_forward_impl
+from align.train.probes import ProbeReceipt
 from align.train.ref_cache import (
     TENSORS_HASH,
     check_key,
@@ -32,7 +33,10 @@ from align.train.ref_cache import (
     expected_key,
     ref_forward_impl,
 )
+from align.utils.log import stage_logger
 from align.utils.weights_hash import weights_fingerprint, weights_hash
+
+LOG = stage_logger("gates")
 
 
 @dataclass(frozen=True)
@@ -73,31 +77,6 @@ class PathBiasDecision:
     ratio: float
     # Every figure as the receipt records them, for the arm result to carry.
     figures: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ProbeMeasure:
-    """What the probe measured on the arm's topology, as the stage after it reads it."""
-
-    median_step_s: float
-    projected_wall_s: float
-
-
-@dataclass(frozen=True)
-class MemoryVerdict:
-    """The preflight's projection of the dpo job, judged against its node (and device) and
-    passed: what the stage reads of it, and every figure as the receipts record it."""
-
-    total_mb: float
-    optimizer: str | None
-    # Per-device allocator peak projected under CUDA; None on CPU.
-    device_allocated_mb: float | None
-    figures: dict[str, Any]
-
-    @classmethod
-    def of(cls, figures: dict[str, Any]) -> MemoryVerdict:
-        device = figures.get("device", {})
-        return cls(figures["total_mb"], figures["optimizer"], device.get("allocated_mb"), figures)
 
 
 def sft_gate(paths: RunPaths) -> SftPolicy:
@@ -196,8 +175,9 @@ def _flat(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 
 @dataclass
-class GateContext:
-    """What the gates establish, in order, for the stage that runs after them."""
+class GateWork:
+    """What the gates establish, filled in GATE_ORDER: each gate reads only what the gates
+    before it set. Stages get a frozen `Gated` of it (`run_gates`), never this."""
 
     cfg: ArmConfig
     paths: RunPaths
@@ -207,7 +187,7 @@ class GateContext:
     caches: dict[str, CacheInUse] = field(default_factory=dict)
     path_bias: PathBiasDecision | None = None
     projection: MemoryVerdict | None = None
-    probe: ProbeMeasure | None = None
+    probe: ProbeReceipt | None = None
 
     @property
     def arm(self):
@@ -249,7 +229,7 @@ def trusted_checkpoint_hash(policy: SftPolicy) -> str:
     return found
 
 
-def _gate_sft(ctx: GateContext) -> dict[str, Any]:
+def _gate_sft(ctx: GateWork) -> dict[str, Any]:
     policy = sft_gate(ctx.paths)
     ctx.checkpoint = policy.checkpoint
     ctx.checkpoint_weights = trusted_checkpoint_hash(policy)
@@ -259,13 +239,13 @@ def _gate_sft(ctx: GateContext) -> dict[str, Any]:
     }
 
 
-def _gate_manifest(ctx: GateContext) -> dict[str, Any]:
+def _gate_manifest(ctx: GateWork) -> dict[str, Any]:
     ctx.entry = manifest_entry(ctx.paths, ctx.cfg, ctx.checkpoint)
     counts = ctx.entry.counts
     return {"status": ctx.entry.status, "train": counts["train"], "held": counts["held"]}
 
 
-def use_caches(ctx: GateContext, impl: str, dtype: str, gate: str) -> None:
+def use_caches(ctx: GateWork, impl: str, dtype: str, gate: str) -> None:
     """Check the caches of forward path `impl` (key, then tensor bytes) and make them the ones in use."""
     for split in SPLITS:
         key = ctx.cache_key(split, impl, dtype)
@@ -282,13 +262,13 @@ def use_caches(ctx: GateContext, impl: str, dtype: str, gate: str) -> None:
         check_tensors(ctx.arm.ref_cache(impl, split), recorded, path, gate)
 
 
-def _gate_ref_cache(ctx: GateContext) -> dict[str, Any]:
+def _gate_ref_cache(ctx: GateWork) -> dict[str, Any]:
     impl = ref_forward_impl(ctx.cfg.ref)
     use_caches(ctx, impl, ctx.cfg.ref.dtype, "ref_cache")
     return {"forward_impl": impl}
 
 
-def _gate_path_bias(ctx: GateContext) -> dict[str, Any]:
+def _gate_path_bias(ctx: GateWork) -> dict[str, Any]:
     report = load_receipt(ctx.arm.path_bias, "path_bias", stage="path_bias")
     figures = report["figures"]
     cache_impl = ctx.caches["train"].key["forward_impl"]
@@ -326,7 +306,7 @@ def require_measured_path(
         )
 
 
-def _gate_preflight(ctx: GateContext) -> dict[str, Any]:
+def _gate_preflight(ctx: GateWork) -> dict[str, Any]:
     cfg = ctx.cfg
     master_updates = check_master_updates(cfg, ctx.checkpoint)
     shards = [ctx.entry.shards[split] for split in SPLITS]
@@ -372,11 +352,10 @@ def check_master_updates(cfg: ArmConfig, checkpoint: str | Path) -> dict[str, An
     }
 
 
-def _gate_probe(ctx: GateContext) -> dict[str, Any]:
-    receipt = load_receipt(ctx.arm.probe, "probe", stage="probe")
-    figures = receipt["figures"]
+def _gate_probe(ctx: GateWork) -> dict[str, Any]:
+    probe = ProbeReceipt.of(load_receipt(ctx.arm.probe, "probe", stage="probe"))
     b = ctx.cfg.batch
-    measured_on = receipt.get("topology", {})
+    measured_on = probe.topology
     expected = {
         "world_size": b.world_size,
         "micro_batch": b.micro_batch,
@@ -386,10 +365,8 @@ def _gate_probe(ctx: GateContext) -> dict[str, Any]:
         raise GateRefused(
             "probe", f"{ctx.arm.probe}: measured on topology {measured_on}, expected {expected}"
         )
-    require_measured_path(
-        "probe", ctx.arm.probe, figures.get("training_path"), TrainingPath.of(ctx.cfg)
-    )
-    projected, measured = ctx.projection.total_mb, figures["peak_rss_mb"]
+    require_measured_path("probe", ctx.arm.probe, probe.training_path, TrainingPath.of(ctx.cfg))
+    projected, measured = ctx.projection.total_mb, probe.peak_rss_mb
     tolerance = ctx.cfg.preflight.calibration_tolerance
     if projected < (1 - tolerance) * measured:
         raise GateRefused(
@@ -397,11 +374,11 @@ def _gate_probe(ctx: GateContext) -> dict[str, Any]:
             f"{ctx.arm.probe}: failed calibration: projected RSS {projected:.0f} MiB undershoots the measured "
             f"peak {measured:.0f} MiB by more than {tolerance:.0%}",
         )
-    ctx.probe = ProbeMeasure(figures["median_step_s"], figures["projected_wall_s"])
-    return {"median_step_s": round(figures["median_step_s"], 4), "peak_rss_mb": round(measured)}
+    ctx.probe = probe
+    return {"median_step_s": round(probe.median_step_s, 4), "peak_rss_mb": round(measured)}
 
 
-GATE_ORDER: tuple[tuple[str, Callable[[GateContext], dict[str, Any]]], ...] = (
+GATE_ORDER: tuple[tuple[str, Callable[[GateWork], dict[str, Any]]], ...] = (
     ("sft_gate", _gate_sft),
     ("manifest", _gate_manifest),
     ("ref_cache", _gate_ref_cache),
@@ -435,7 +412,7 @@ class GateReport:
             result = gate(*args)
         except GateRefused as err:
             self.rows.append(GateRow(name, FAILED, _ms(started), {"reason": str(err)}))
-            print(f"align gates:\n{self.table()}", file=sys.stderr)
+            LOG.error("\n%s", self.table())
             raise
         self.rows.append(GateRow(name, PASSED, _ms(started), figures(result)))
         return result
@@ -452,19 +429,63 @@ class GateReport:
         return "\n".join(lines)
 
 
-def run_gates(ctx: GateContext, through: str) -> GateReport:
-    """Run GATE_ORDER up to and including `through`; a refusal stops everything after it.
+@dataclass(frozen=True)
+class Gated:
+    """What the gates through preflight established for the stage after them. Nothing in
+    it is missing: a run whose gates refused gets none."""
 
-    A descoped arm stops after the manifest gate: there is nothing to check beyond it.
-    """
-    if through not in GATE_NAMES:
-        raise ValueError(f"unknown gate {through!r} (gates: {', '.join(GATE_NAMES)})")
-    report = GateReport()
+    cfg: ArmConfig
+    paths: RunPaths
+    checkpoint: Path
+    checkpoint_weights: str
+    entry: ArmEntry
+    caches: dict[str, CacheInUse]
+    path_bias: PathBiasDecision
+    projection: MemoryVerdict
+
+    @property
+    def arm(self):
+        return self.paths.arm(self.cfg.arm)
+
+
+@dataclass(frozen=True)
+class Probed(Gated):
+    """... and the probe's measurement: what the dpo stage trains under."""
+
+    probe: ProbeReceipt
+
+
+@dataclass(frozen=True)
+class Descoped:
+    """An arm the manifest descoped: there is nothing to check beyond it, nor to train."""
+
+    cfg: ArmConfig
+    paths: RunPaths
+    entry: ArmEntry
+
+    @property
+    def arm(self):
+        return self.paths.arm(self.cfg.arm)
+
+
+# The gates a stage may run through, and what each gives it.
+GATED_THROUGH = {"preflight": Gated, "probe": Probed}
+
+
+def run_gates(cfg: ArmConfig, paths: RunPaths, through: str) -> tuple[GateReport, Gated | Descoped]:
+    """Run GATE_ORDER up to and including `through` (preflight or probe); a refusal stops
+    everything after it. A descoped arm stops after the manifest gate."""
+    if through not in GATED_THROUGH:
+        raise ValueError(f"gates run through one of {sorted(GATED_THROUGH)}, not {through!r}")
+    work, report = GateWork(cfg, paths), GateReport()
     for name, gate in GATE_ORDER:
-        report.run(name, gate, ctx)
-        if name == through or (name == "manifest" and ctx.descoped):
+        report.run(name, gate, work)
+        if name == "manifest" and work.descoped:
+            return report, Descoped(cfg, paths, work.entry)
+        if name == through:
             break
-    return report
+    found = {f.name: getattr(work, f.name) for f in dataclasses.fields(GATED_THROUGH[through])}
+    return report, GATED_THROUGH[through](**found)
 
 
 def _ms(started: float) -> float:

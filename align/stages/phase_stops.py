@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from align.receipts import write_json_atomic
 from align.stages.entry import is_main_process
 from align.train.trainer import StopRequest
 from align.utils.dist import any_rank, barrier
+from align.utils.log import stage_logger
 from align.utils.weights_hash import weights_fingerprint
 
 EXPORT, EVALUATE = "export", "evaluate"
@@ -67,7 +67,5 @@ def resume_evaluation(stage: str, policy: Path, fingerprint, marker: Path) -> di
     barrier()
     if is_main_process():
         marker.unlink(missing_ok=True)
-        print(
-            f"align {stage}: training recorded; evaluating the exported {policy}", file=sys.stderr
-        )
+        stage_logger(stage).info(f"training recorded; evaluating the exported {policy}")
     return resumed

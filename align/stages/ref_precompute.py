@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,9 @@ from align.train.ref_cache import (
 )
 from align.train.session import load_policy, start_session
 from align.utils.dist import DistInfo, barrier
+from align.utils.log import stage_logger
+
+LOG = stage_logger("ref_cache")
 
 
 def slice_size(cfg: RefConfig) -> int:
@@ -167,14 +169,12 @@ def precompute_ref_cache(
     )
     reused = _agree(info, reused)
     for line in discarded:
-        print(f"align ref_cache: discarded {line}", file=sys.stderr, flush=True)
+        LOG.info(f"discarded {line}")
     pending = [i for i in range(len(bounds)) if i not in set(reused)]
     if info.is_main:
-        print(
-            f"align ref_cache: {out}: {len(bounds)} slices, {len(reused)} reused from {parts}, "
-            f"{len(pending)} to compute on {info.world_size} rank(s)",
-            file=sys.stderr,
-            flush=True,
+        LOG.info(
+            f"{out}: {len(bounds)} slices, {len(reused)} reused from {parts}, "
+            f"{len(pending)} to compute on {info.world_size} rank(s)"
         )
     started = time.perf_counter()
     pad_rows = np.arange(min(cfg.batch_size, len(shard)))

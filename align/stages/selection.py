@@ -7,7 +7,6 @@ error: its receipt is FAILED and says why, so the report can show it.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,9 @@ from align.stages import select as sel
 from align.stages.entry import Stage, parse_stage_args
 from align.train.memory import check_stage_rss, selection_seq_len
 from align.utils.guard import configure_cpu
+from align.utils.log import stage_logger
+
+LOG = stage_logger("select_arms")
 
 
 def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, policies, projection):
@@ -61,7 +63,7 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
                 named, len(shard), cfg.model, scores[name].precision, list(info.devices)
             )
             if info.is_main:
-                print(f"align select_arms: banner\n{banner}", file=sys.stderr, flush=True)
+                LOG.info(f"banner\n{banner}")
     precision = paired.shared_precision(scores)
     figures = paired.policy_figures(scores, cfg.paired, cfg.generation.max_new_tokens)
     eval_set = {
@@ -234,9 +236,5 @@ def run_select_arms(argv: list[str]) -> None:
         gates=gated.report.recorded(),
     )
     stage.write(paths.selection, receipt)
-    print(
-        f"align select_arms: selected {decision['selected']} ({decision['branch']}): "
-        f"{decision['reason']}",
-        file=sys.stderr,
-    )
+    LOG.info(f"selected {decision['selected']} ({decision['branch']}): {decision['reason']}")
     destroy_distributed()

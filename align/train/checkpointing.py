@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +24,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from align.paths import checkpoints_in
 from align.receipts import read_json, write_json_atomic
 from align.utils.dist import DistInfo, barrier
+from align.utils.log import stage_logger
 
 NAME = re.compile(r"^micro_(\d{8})$")
 COMPLETE = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
+
+LOG = stage_logger()
 
 
 def _rng_file(rank: int) -> str:
@@ -66,7 +68,7 @@ class CheckpointManager:
             if match and (path / COMPLETE).is_file() and (path / ".metadata").is_file():
                 found.append(Checkpoint(path, int(match.group(1))))
             elif self.info.is_main and path.is_dir():
-                print(f"align: skipping torn checkpoint {path}", file=sys.stderr)
+                LOG.warning(f"skipping torn checkpoint {path}")
         return found
 
     def latest(self) -> Checkpoint | None:
@@ -81,7 +83,7 @@ class CheckpointManager:
                 f"checkpoints.stale-{time.strftime('%Y%m%dT%H%M%S')}-{time.time_ns()}"
             )
             self.root.rename(moved)
-            print(f"align: fresh run: moved stale checkpoints to {moved}", file=sys.stderr)
+            LOG.info(f"fresh run: moved stale checkpoints to {moved}")
         barrier()
         return moved
 

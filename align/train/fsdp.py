@@ -5,7 +5,6 @@ and loading a checkpoint straight into shards (no full replica on any rank but 0
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 import torch
@@ -23,8 +22,11 @@ from align.model.mistral import NmoMistralForCausalLM
 from align.train.precision import Precision, mixed_precision_policy, verify_precision
 from align.utils.dist import DistInfo
 from align.utils.dtypes import TORCH_DTYPES
+from align.utils.log import stage_logger
 
 NO_CASTS = MixedPrecisionPolicy()
+
+LOG = stage_logger()
 
 
 def apply_fsdp(model: NmoMistralForCausalLM, policy: MixedPrecisionPolicy = NO_CASTS) -> None:
@@ -85,8 +87,7 @@ def gather_full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _log_resident(model: torch.nn.Module, info: DistInfo) -> None:
     local = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     p = model.precision
-    print(
-        f"align: rank {info.rank} holds {local / 2**20:.1f} MiB of {p['master']} master "
-        f"parameters after sharding; computes in {p['compute']}, reduces in {p['reduce']}",
-        file=sys.stderr,
+    LOG.info(
+        f"rank {info.rank} holds {local / 2**20:.1f} MiB of {p['master']} master "
+        f"parameters after sharding; computes in {p['compute']}, reduces in {p['reduce']}"
     )

@@ -14,7 +14,8 @@ before the stage builds a model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -607,6 +608,39 @@ def check_projection(
         "budget_mb": budget,
         "headroom_mb": budget - projection["node_mb"],
     }
+
+
+@dataclass(frozen=True)
+class MemoryVerdict:
+    """The preflight's projection of the dpo job (`check_stage_rss`), judged against its
+    node (and device) and passed, as every reader takes it: the gates before training, and
+    the workflow sizing the probe job."""
+
+    total_mb: float
+    # The fullest node's share: what a job's memory request is made from.
+    node_mb: float
+    optimizer: str | None
+    # Per-device allocator peak projected under CUDA; None on CPU.
+    device_allocated_mb: float | None
+    # Every figure as the receipts record it.
+    figures: dict[str, Any]
+
+    @classmethod
+    def of(cls, figures: Mapping[str, Any]) -> MemoryVerdict:
+        device = figures.get("device", {})
+        return cls(
+            figures["total_mb"],
+            figures["node_mb"],
+            figures["optimizer"],
+            device.get("allocated_mb"),
+            dict(figures),
+        )
+
+    @classmethod
+    def read(cls, path: str | Path) -> MemoryVerdict | None:
+        """The preflight receipt at `path`, or None while the preflight has not run."""
+        path = Path(path)
+        return cls.of(json.loads(path.read_text())["figures"]) if path.is_file() else None
 
 
 def check_stage_rss(

@@ -9,8 +9,11 @@ projected allocator share of one GPU.
 
 from __future__ import annotations
 
+import json
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
@@ -37,6 +40,48 @@ class Beside:
         counts = self.count(horizon)
         saves = counts["checkpoint_saves"] * self.checkpoint_s
         return saves + counts["generation_checks"] * (self.generation_s or 0.0)
+
+
+@dataclass(frozen=True)
+class ProbeReceipt:
+    """The probe's receipt (`probe_figures` and the projection it ran under) as every
+    reader takes it: the gates before training, and the workflow sizing the dpo job."""
+
+    median_step_s: float
+    projected_wall_s: float
+    peak_rss_mb: float
+    # One checkpoint save as the probe timed it; None where it timed none.
+    checkpoint_s: float | None
+    # The preflight projection it ran under: its fullest node, and the nodes it spans.
+    projected_node_mb: float
+    nodes: int
+    topology: dict[str, int]
+    training_path: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, receipt: Mapping[str, Any]) -> ProbeReceipt:
+        figures, projection = receipt["figures"], receipt["projection"]
+        return cls(
+            median_step_s=figures["median_step_s"],
+            projected_wall_s=figures["projected_wall_s"],
+            peak_rss_mb=figures["peak_rss_mb"],
+            checkpoint_s=figures.get("checkpoint_s"),
+            projected_node_mb=projection["node_mb"],
+            nodes=projection["nodes"],
+            topology=receipt.get("topology", {}),
+            training_path=figures.get("training_path"),
+        )
+
+    @classmethod
+    def read(cls, path: str | Path) -> ProbeReceipt | None:
+        """The receipt at `path`, or None while the probe has not run."""
+        path = Path(path)
+        return cls.of(json.loads(path.read_text())) if path.is_file() else None
+
+    @property
+    def measured_node_mb(self) -> float:
+        """The measured peak of the job, per node."""
+        return self.peak_rss_mb / self.nodes
 
 
 def probe_figures(

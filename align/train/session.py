@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -35,6 +34,9 @@ from align.utils.dist import (
     assert_launch_topology,
     init_distributed,
 )
+from align.utils.log import stage_logger
+
+LOG = stage_logger()
 
 
 def start_session(run_dir: str | Path, run: RunConfig, batch: BatchConfig | None) -> DistInfo:
@@ -48,7 +50,7 @@ def start_session(run_dir: str | Path, run: RunConfig, batch: BatchConfig | None
     info = dataclasses.replace(info, devices=tuple(assert_distinct_devices(info)))
     if info.is_main:
         placed = ", ".join(f"{rank}={device}" for rank, device in enumerate(info.devices))
-        print(f"align: ranks on devices {placed}", file=sys.stderr, flush=True)
+        LOG.info(f"ranks on devices {placed}")
     torch.manual_seed(batch.seed if batch is not None else 0)
     return info
 
@@ -78,6 +80,7 @@ def build_trainer(
     info: DistInfo,
     stage_started: float,
     stop_marker: Path | None = None,
+    projected_wall_s: float | None = None,
 ) -> Trainer:
     check_shard_layout(shard, batch)
     sampler = StepSampler(len(shard), batch, info.rank, info.world_size)
@@ -97,6 +100,7 @@ def build_trainer(
         optim.grad_clip,
         stage_started,
         stop_marker,
+        projected_wall_s,
     )
 
 

@@ -27,7 +27,9 @@ from align.exit_codes import AlignError, ResumableStop
 from align.paths import metrics_in, stop_marker_in
 from align.receipts import write_json_atomic
 from align.train.checkpointing import CheckpointManager
+from align.train.progress import Progress
 from align.utils.dist import DistInfo, all_reduce_sum, any_rank, barrier
+from align.utils.log import stage_logger
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -99,11 +101,15 @@ class Trainer:
         grad_clip: float,
         stage_started: float,
         stop_marker: Path | None = None,
+        projected_wall_s: float | None = None,
     ):
         self.cfg, self.model, self.source, self.adapter = cfg, model, source, adapter
         # max_wall_seconds is the job's budget: every trainer of a stage counts from the
         # stage's start (time.monotonic()), a rerun's too.
         self.stage_started = stage_started
+        self.log = stage_logger(stage)
+        # The probe's projection of the whole run, shown beside the progress line's ETA.
+        self.projected_wall_s = projected_wall_s
         self.optimizer, self.scheduler, self.grad_clip = optimizer, scheduler, grad_clip
         self.run_dir, self.stage, self.info = Path(run_dir), stage, info
         self.checkpoints = CheckpointManager(self.run_dir, info, cfg.keep_checkpoints)
@@ -142,10 +148,7 @@ class Trainer:
             self.rank_state.load_state_dict(self.checkpoints.load_rank_state(latest))
         self.resumed_from = str(latest.path)
         if self.info.is_main:
-            print(
-                f"align {self.stage}: resumed from {latest.path} at step {self.state.step}",
-                file=sys.stderr,
-            )
+            self.log.info(f"resumed from {latest.path} at step {self.state.step}")
             self._truncate_metrics(self.state.step)
 
     def _truncate_metrics(self, steps: int) -> None:
@@ -226,12 +229,24 @@ class Trainer:
             desc=self.stage,
             disable=not (self.info.is_main and sys.stderr.isatty()),
         )
+        # A log (not a terminal) gets a progress line now and then instead of the bar.
+        progress = None
+        if self.info.is_main and bar.disable:
+            progress = Progress(
+                total,
+                self.state.step,
+                self.cfg.progress_every_steps,
+                self.cfg.progress_every_s,
+                self.projected_wall_s,
+            )
         try:
             while self.state.step < total:
                 metrics = self.train_step()
                 self.last_metrics = metrics
                 self._log(metrics)
                 bar.update(1)
+                if progress is not None and progress.due(self.state.step):
+                    self.log.info(progress.line(self.state.step, metrics))
                 if on_step is not None:
                     on_step(metrics)
                 if self._capped():

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from align.train.probes import ProbeReceipt
+
 
 @dataclass(frozen=True)
 class JobResources:
@@ -49,32 +51,32 @@ class JobResources:
         attempt."""
         return math.ceil(rss_mb * self.mem_margin + self.mem_overhead_mb) * attempt
 
-    def checkpoint_s_of(self, probe: Mapping | None) -> float:
+    def checkpoint_s_of(self, probe: ProbeReceipt | None) -> float:
         """One checkpoint save: the probe's timing when its receipt has one, else the
         allowance."""
-        measured = probe["figures"].get("checkpoint_s") if probe else None
+        measured = probe.checkpoint_s if probe else None
         return measured if measured is not None else self.checkpoint_s
 
-    def stop_window_s(self, probe: Mapping | None) -> int:
+    def stop_window_s(self, probe: ProbeReceipt | None) -> int:
         """Seconds a stop needs: the optimizer step in flight (twice the probe's median, or
         nothing where no probe measured one), one checkpoint save, and the processes' exit.
 
         torchrun waits this long for stopped workers before it kills them, and Slurm
         signals the job step (SIGTERM) this long before its time limit.
         """
-        step = probe["figures"]["median_step_s"] if probe else 0.0
+        step = probe.median_step_s if probe else 0.0
         return math.ceil(2 * step + self.checkpoint_s_of(probe)) + math.ceil(self.exit_grace_s)
 
-    def stop_reserve_s(self, probe: Mapping | None) -> float:
+    def stop_reserve_s(self, probe: ProbeReceipt | None) -> float:
         """Seconds of a job outside the trainer's own clock, plus the save at a stop: the
         trainer's clock starts after the gates and the model load, a stop saves after the
         step in flight, and the evaluation and export after the last step fall outside."""
         return self.startup_s + self.checkpoint_s_of(probe)
 
-    def probe_runtime(self, probe: Mapping, attempt: int) -> int:
+    def probe_runtime(self, probe: ProbeReceipt, attempt: int) -> int:
         """Minutes: the probe's projected wall clock with its margin, the reserve, the
         attempt."""
-        projected = probe["figures"]["projected_wall_s"] * self.runtime_margin
+        projected = probe.projected_wall_s * self.runtime_margin
         return math.ceil((projected + self.stop_reserve_s(probe)) / 60) * attempt
 
 

@@ -58,7 +58,7 @@ def main() -> None:
     for arm, entry in receipt["arms"].items():
         counts = entry["counts"]
         line = f"arm {arm}: read {counts['read']}, kept {counts['kept']} (train {counts['train']}, held {counts['held']})"
-        print(f"align build_manifest: {line} {entry['status']}", file=sys.stderr)
+        stage.log.info(f"{line} {entry['status']}")
 
 
 if __name__ == "__main__":

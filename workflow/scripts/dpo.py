@@ -10,7 +10,7 @@ from align.exit_codes import TripwireFired, run_with_exit_codes
 from align.paths import FIRST_RUN, RERUN, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, hash_file
 from align.stages.entry import Stage, is_main_process, parse_stage_args
-from align.stages.gates import GateContext, run_gates
+from align.stages.gates import Descoped, Gated, Probed, run_gates
 from align.utils.guard import apply_resource_guards
 
 
@@ -20,22 +20,20 @@ def main() -> None:
     cfg = loaded.cfg
     probe = "probe" in args.flags
     stage = Stage("probe" if probe else "dpo")
-    ctx = GateContext(cfg, RunPaths.of_config(cfg))
-    report = run_gates(ctx, through="preflight" if probe else "probe")
-    out = ctx.arm.probe if probe else ctx.arm.arm_result
+    report, gated = run_gates(
+        cfg, RunPaths.of_config(cfg), through="preflight" if probe else "probe"
+    )
+    out = gated.arm.probe if probe else gated.arm.arm_result
     common = {"arm": cfg.arm, "config": to_dict(cfg), "gates": report.recorded()}
     if is_main_process():
-        print(f"align {stage.name}: gates for arm {cfg.arm}\n{report.table()}", file=sys.stderr)
-    if ctx.descoped:
+        stage.log.info(f"gates for arm {cfg.arm}\n{report.table()}")
+    if isinstance(gated, Descoped):
         if is_main_process():
             stage.write(
                 out,
-                stage.receipt(loaded, DESCOPED, descoped=True, reason=ctx.entry.reason, **common),
+                stage.receipt(loaded, DESCOPED, descoped=True, reason=gated.entry.reason, **common),
             )
-            print(
-                f"align {stage.name}: arm {cfg.arm} DESCOPED: {ctx.entry.reason}",
-                file=sys.stderr,
-            )
+            stage.log.info(f"arm {cfg.arm} DESCOPED: {gated.entry.reason}")
         return
     if "gates-only" in args.flags:
         return
@@ -43,16 +41,16 @@ def main() -> None:
     from align.utils.dist import destroy_distributed
 
     if probe:
-        write_probe(loaded, ctx, stage, out, common)
+        write_probe(loaded, gated, stage, out, common)
     else:
-        write_arm_result(loaded, ctx, stage, out, common)
+        write_arm_result(loaded, gated, stage, out, common)
     destroy_distributed()
 
 
-def write_probe(loaded, ctx: GateContext, stage: Stage, out, common: dict) -> None:
+def write_probe(loaded, gated: Gated, stage: Stage, out, common: dict) -> None:
     from align.stages.dpo import run_probe
 
-    figures, info = run_probe(loaded.cfg, ctx, stage.started)
+    figures, info = run_probe(loaded.cfg, gated, stage.started)
     phases = figures.pop("phases")
     b = loaded.cfg.batch
     if info.is_main:
@@ -67,59 +65,57 @@ def write_probe(loaded, ctx: GateContext, stage: Stage, out, common: dict) -> No
             figures=figures,
             phases=phases,
             topology=topology,
-            projection=ctx.projection.figures,
+            projection=gated.projection.figures,
             **common,
         )
         stage.write(out, receipt)
-        print(
-            f"align probe: arm {loaded.cfg.arm} median step {figures['median_step_s']:.3f} s, "
+        stage.log.info(
+            f"arm {loaded.cfg.arm} median step {figures['median_step_s']:.3f} s, "
             f"{figures['tokens_per_s']:.0f} tokens/s, peak RSS {figures['peak_rss_mb']:.0f} MiB "
-            f"(projected {ctx.projection.total_mb:.0f}), projected wall {figures['projected_wall_s']:.0f} s",
-            file=sys.stderr,
+            f"(projected {gated.projection.total_mb:.0f}), projected wall {figures['projected_wall_s']:.0f} s"
         )
 
 
-def write_arm_result(loaded, ctx: GateContext, stage: Stage, out, common: dict) -> None:
+def write_arm_result(loaded, gated: Probed, stage: Stage, out, common: dict) -> None:
     from align.stages.dpo import run_dpo
     from align.utils.weights_hash import weights_hash
 
-    figures, info = run_dpo(loaded.cfg, ctx, stage.started)
+    figures, info = run_dpo(loaded.cfg, gated, stage.started)
     tripwire = figures.pop("tripwire")
     phases = figures.pop("phases")
     ended = tripwire["ended_by_tripwire"]
     if info.is_main:
-        arm, recorded = ctx.arm, ctx.paths.recorded
-        caches = {split: recorded(cache.path) for split, cache in ctx.caches.items()}
+        arm, recorded = gated.arm, gated.paths.recorded
+        caches = {split: recorded(cache.path) for split, cache in gated.caches.items()}
         receipt = stage.receipt(
             loaded,
             FAILED if ended else PASSED,
             descoped=False,
             inputs={
-                recorded(ctx.checkpoint): ctx.checkpoint_weights,
-                **{recorded(c.path): hash_file(c.path) for c in ctx.caches.values()},
+                recorded(gated.checkpoint): gated.checkpoint_weights,
+                **{recorded(c.path): hash_file(c.path) for c in gated.caches.values()},
             },
             outputs={recorded(arm.policy_dir): weights_hash(arm.policy_dir)},
             figures=figures,
             phases=phases,
             tripwire=tripwire,
-            checkpoint=recorded(ctx.checkpoint),
+            checkpoint=recorded(gated.checkpoint),
             caches=caches,
             policy=recorded(arm.policy_dir),
-            path_bias=ctx.path_bias.figures,
-            projection=ctx.projection.figures,
+            path_bias=gated.path_bias.figures,
+            projection=gated.projection.figures,
             **common,
         )
         stage.write(out, receipt)
         held = figures["held_out"]
-        print(
-            f"align dpo: arm {loaded.cfg.arm} held-out preference accuracy sft {held['sft']['accuracy']:.3f} -> "
+        stage.log.info(
+            f"arm {loaded.cfg.arm} held-out preference accuracy sft {held['sft']['accuracy']:.3f} -> "
             f"policy {held['policy']['accuracy']:.3f} [{held['policy']['ci_low']:.3f}, {held['policy']['ci_high']:.3f}]"
             + (
                 f"; rerun with {tripwire['response']} after {fired(tripwire, FIRST_RUN)}"
                 if tripwire["rerun"]
                 else ""
-            ),
-            file=sys.stderr,
+            )
         )
     if ended:
         from align.utils.dist import barrier

@@ -41,11 +41,10 @@ def build_caches(
     if info.is_main:
         for split, f in figures.items():
             rate = f"{f['tokens_per_s']:.0f} tokens/s" if f["tokens_per_s"] else "nothing computed"
-            print(
-                f"align ref_cache: arm {cfg.arm} {forward_impl} {split}: {f['pairs']} pairs, "
+            stage.log.info(
+                f"arm {cfg.arm} {forward_impl} {split}: {f['pairs']} pairs, "
                 f"{f['slices']} slices ({f['reused_slices']} reused, {f['discarded_parts']} parts "
-                f"discarded), {rate} on {f['world_size']} rank(s)",
-                file=sys.stderr,
+                f"discarded), {rate} on {f['world_size']} rank(s)"
             )
         # The gates check each cache's tensor bytes against this record, not only its metadata.
         caches = {
@@ -87,7 +86,7 @@ def measure_path_bias(
     figures, info = run_path_bias(cfg, checkpoint, shard, cache, key, arm.run_dir, projection)
     phases = figures.pop("phases")
     if info.is_main:
-        print(f"align path_bias: arm {cfg.arm}\n{table(figures)}", file=sys.stderr)
+        stage.log.info(f"arm {cfg.arm}\n{table(figures)}")
         receipt = stage.receipt(
             loaded,
             PASSED,

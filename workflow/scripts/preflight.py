@@ -12,7 +12,7 @@ from align.exit_codes import run_with_exit_codes
 from align.paths import RunPaths
 from align.receipts import PASSED
 from align.stages.entry import Stage, parse_stage_args
-from align.stages.gates import GateContext, run_gates
+from align.stages.gates import Descoped, run_gates
 
 
 def main() -> None:
@@ -20,12 +20,11 @@ def main() -> None:
     loaded = load_config(args.configs[0], ArmConfig, args.overrides)
     cfg = loaded.cfg
     stage = Stage("preflight")
-    ctx = GateContext(cfg, RunPaths.of_config(cfg))
-    report = run_gates(ctx, through="preflight")
-    print(f"align preflight: arm {cfg.arm}\n{report.table()}", file=sys.stderr)
-    figures = ctx.projection.figures if ctx.projection else {"descoped": True}
+    report, gated = run_gates(cfg, RunPaths.of_config(cfg), through="preflight")
+    stage.log.info(f"arm {cfg.arm}\n{report.table()}")
+    figures = {"descoped": True} if isinstance(gated, Descoped) else gated.projection.figures
     stage.write(
-        ctx.arm.preflight, stage.receipt(loaded, PASSED, figures=figures, gates=report.recorded())
+        gated.arm.preflight, stage.receipt(loaded, PASSED, figures=figures, gates=report.recorded())
     )
 
 

@@ -44,7 +44,7 @@ def main() -> None:
         checkpoint_fingerprint=weights_fingerprint(checkpoint),
     )
     if not result["passed"]:
-        print(json.dumps(receipt, indent=2), file=sys.stderr)
+        stage.log.error("receipt of the failed gate:\n" + json.dumps(receipt, indent=2))
         failed = {name: check for name, check in result["checks"].items() if not check["passed"]}
         raise GateRefused("sft_gate", f"{checkpoint}: failed checks {json.dumps(failed)}")
     stage.write(paths.sft_gate, receipt)
