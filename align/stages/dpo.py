@@ -26,11 +26,11 @@ from align.eval.preference import implicit_reward_preference, policy_preference,
 from align.eval.sanity import GenerationBand, chosen_responses, judge
 from align.exit_codes import ConfigError
 from align.losses.dpo import DPOObjective
-from align.paths import FIRST_RUN, RERUN, SPLITS, ended_run_in, trained_record_in
+from align.paths import FIRST_RUN, RERUN, SPLITS, ended_run_in
 from align.receipts import write_json_atomic
 from align.stages.entry import is_main_process
 from align.stages.gates import CacheInUse, Gated, Probed
-from align.stages.phase_stops import EVALUATE, EXPORT, PhaseStops, resume_evaluation
+from align.stages.phase_stops import EVALUATE, EXPORT, PhaseStops, Trained, resume_evaluation
 from align.train.adapters import DpoAdapter
 from align.train.path_bias import TrainingPath
 from align.train.phases import PhaseMeter
@@ -416,23 +416,20 @@ def record_ended_run(run: TrainingRun, run_dir: Path) -> None:
 
 
 @dataclass(frozen=True)
-class Trained:
-    """What training decided, recorded once the policy is exported: what the arm result
-    needs of training, so a retry after a stop can evaluate without training again."""
+class ArmTrained(Trained):
+    """... and what the arm result needs of training besides: the banner, the result run's
+    configuration and generation check, and the tripwires' record."""
 
     banner: str | None
-    training: dict[str, Any]
     final_config: dict[str, Any]
     generation: dict[str, Any] | None
     tripwire: dict[str, Any]
-    # Sizes and times of the exported weight files, to refuse a policy changed since.
-    policy_fingerprint: dict[str, list[int]]
 
 
 def run_dpo(cfg: ArmConfig, gated: Probed, stage_started: float) -> tuple[dict[str, Any], DistInfo]:
     """Train the arm (on an alarm, rerun once from SFT with the pre-registered response),
     export the policy, then score it and the SFT policy on the held-out pairs."""
-    trained = trained_before(cfg, gated)
+    trained = ArmTrained.read_before(gated.arm.run_dir, cfg.trainer.resume)
     meter = PhaseMeter(cfg.run.device)
     policy = gated.paths.recorded(gated.arm.policy_dir)
     with PhaseStops("dpo", gated.arm.stop_marker, policy) as stops:
@@ -466,7 +463,7 @@ def run_dpo(cfg: ArmConfig, gated: Probed, stage_started: float) -> tuple[dict[s
 
 def train_and_export(
     cfg: ArmConfig, gated: Probed, meter: PhaseMeter, stage_started: float
-) -> tuple[Trained, TrainingRun]:
+) -> tuple[ArmTrained, TrainingRun]:
     """The first run and, after an alarm, the rerun; the result run's policy exported and
     what training decided recorded beside it."""
     first_dir = gated.arm.training_run_dir(FIRST_RUN)
@@ -488,7 +485,7 @@ def train_and_export(
     with meter.phase("export"):
         export_policy(final.session.model, info, gated.checkpoint, gated.arm.policy_dir)
         barrier()  # rank 0 writes the export; every rank reads its files below
-    trained = Trained(
+    trained = ArmTrained(
         banner=final.banner or first.banner,
         training=final.summary,
         final_config=run_record(final_cfg),
@@ -496,21 +493,11 @@ def train_and_export(
         tripwire=tripwire_section(cfg, runs, response),
         policy_fingerprint=weights_fingerprint(gated.arm.policy_dir),
     )
-    if info.is_main:
-        write_json_atomic(trained_record_in(gated.arm.run_dir), dataclasses.asdict(trained))
-    barrier()
+    trained.write(gated.arm.run_dir)
     return trained, final
 
 
-def trained_before(cfg: ArmConfig, gated: Probed) -> Trained | None:
-    """On a retry, what an earlier attempt's training decided once it exported the policy."""
-    path = trained_record_in(gated.arm.run_dir)
-    if not cfg.trainer.resume or not path.is_file():
-        return None
-    return Trained(**json.loads(path.read_text()))
-
-
-def reload_exported(cfg: ArmConfig, gated: Probed, trained: Trained, meter: PhaseMeter):
+def reload_exported(cfg: ArmConfig, gated: Probed, trained: ArmTrained, meter: PhaseMeter):
     """The exported policy and the held-out pairs, for a retry that evaluates only; the stop
     it follows is read from the marker, which it then clears."""
     info = start_session(gated.arm.run_dir, cfg.run, cfg.batch)

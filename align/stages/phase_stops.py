@@ -9,12 +9,15 @@ whole stage: a trainer installs its own while it fits and puts this one back aft
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from align.exit_codes import GateRefused, ResumableStop
+from align.paths import trained_record_in
 from align.receipts import write_json_atomic
 from align.stages.entry import is_main_process
 from align.train.trainer import StopRequest
@@ -23,6 +26,31 @@ from align.utils.log import stage_logger
 from align.utils.weights_hash import weights_fingerprint
 
 EXPORT, EVALUATE = "export", "evaluate"
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What training decided, written beside the export (run/checkpoints/trained.json)
+    before evaluation starts, so a retry after a stop evaluates without training again. A
+    stage adds what its result needs of training (the DPO stage's `ArmTrained`)."""
+
+    training: dict[str, Any]
+    # Sizes and times of the exported weight files, to refuse a policy changed since.
+    policy_fingerprint: dict[str, list[int]]
+
+    @classmethod
+    def read_before(cls, run_dir: Path, resume: bool) -> Self | None:
+        """On a retry, what an earlier attempt recorded once it exported."""
+        path = trained_record_in(run_dir)
+        if not resume or not path.is_file():
+            return None
+        return cls(**json.loads(path.read_text()))
+
+    def write(self, run_dir: Path) -> None:
+        """Rank 0 writes it; every rank waits until it is there."""
+        if is_main_process():
+            write_json_atomic(trained_record_in(run_dir), dataclasses.asdict(self))
+        barrier()
 
 
 class PhaseStops:

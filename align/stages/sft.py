@@ -8,7 +8,6 @@ generations of a checkpoint against the pre-registered thresholds.
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,8 @@ from align.data.sft import tokenize_sft_splits
 from align.eval.generation import greedy_generate_batch
 from align.eval.nll import mean_nll
 from align.model.tokenizer import load_tokenizer
-from align.paths import RunPaths, trained_record_in
-from align.receipts import write_json_atomic
-from align.stages.phase_stops import EVALUATE, EXPORT, PhaseStops, resume_evaluation
+from align.paths import RunPaths
+from align.stages.phase_stops import EVALUATE, EXPORT, PhaseStops, Trained, resume_evaluation
 from align.train.adapters import SftAdapter
 from align.train.phases import PhaseMeter
 from align.train.session import build_trainer, export_policy, load_policy, start_session
@@ -45,14 +43,14 @@ def run_sft(
     marker, policy = paths.sft_stop_marker, paths.recorded(paths.sft_checkpoint)
     figures: dict[str, Any] = {}
     with PhaseStops("sft", marker, policy) as stops:
-        trained = sft_trained_before(cfg, paths)
+        trained = Trained.read_before(paths.sft_run_dir, cfg.trainer.resume)
         if trained is None:
             model, summary = train_and_export(cfg, paths, info, train, meter, stage_started)
             stops.stop_if_requested(EXPORT)
         else:
-            summary = trained["training"]
+            summary = trained.training
             figures["evaluation_resumed_after"] = resume_evaluation(
-                "sft", paths.sft_checkpoint, trained["policy_fingerprint"], marker
+                "sft", paths.sft_checkpoint, trained.policy_fingerprint, marker
             )
             with meter.phase("load"):
                 model = load_policy(paths.sft_checkpoint, cfg.model, info)
@@ -96,19 +94,8 @@ def train_and_export(
     with meter.phase("export"):
         export_policy(model, info, cfg.run.base_model, paths.sft_checkpoint)
         barrier()  # rank 0 writes the export; its fingerprint is read below
-    record = {"training": summary, "policy_fingerprint": weights_fingerprint(paths.sft_checkpoint)}
-    if info.is_main:
-        write_json_atomic(trained_record_in(paths.sft_run_dir), record)
-    barrier()
+    Trained(summary, weights_fingerprint(paths.sft_checkpoint)).write(paths.sft_run_dir)
     return model, summary
-
-
-def sft_trained_before(cfg: SftConfig, paths: RunPaths) -> dict[str, Any] | None:
-    """On a retry, what an earlier attempt recorded once it exported."""
-    path = trained_record_in(paths.sft_run_dir)
-    if not cfg.trainer.resume or not path.is_file():
-        return None
-    return json.loads(path.read_text())
 
 
 def evaluate_sft_gate(
