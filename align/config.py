@@ -537,6 +537,21 @@ class TripwireResponse:
 
 
 @dataclass
+class GenerationCheckConfig:
+    """Greedy generations of a fixed set of held-out prompts (align.eval.generation): one
+    spelling wherever a check runs (the SFT gate, the generation wire, selection)."""
+
+    # Distinct held-out prompts completed; few, so a check costs seconds (every rank decodes
+    # its share).
+    prompts: int = 8
+    # Tokens each completion may take to end.
+    max_new_tokens: int = 40
+
+    def checks(self) -> list[Check]:
+        return positive_ints(self, "prompts", "max_new_tokens")
+
+
+@dataclass
 class GenerationBandConfig:
     """Where a policy's greedy generations must stay, relative to the SFT policy's greedy
     generations on the same prompts and to the data's chosen responses (align.eval.sanity)."""
@@ -596,13 +611,12 @@ class TripwireConfig:
     length_window_pairs: int = 128
     # The share may leave the data's baseline by at most this much.
     length_band: float = 0.25
-    # Greedy generations of a fixed held-out prompt set every `generation_every_steps`
-    # optimizer steps (and after the last) must stay inside `generation_band`.
+    # Greedy generations (`generation_check`) every `generation_every_steps` optimizer
+    # steps (and after the last) must stay inside `generation_band`.
     generation: bool = True
     generation_every_steps: int = 25
-    # Few and short, so a check costs seconds: every rank decodes its share together.
-    generation_prompts: int = 8
-    generation_max_new_tokens: int = 40
+    # The prompts and length of each check.
+    generation_check: GenerationCheckConfig = field(default_factory=GenerationCheckConfig)
     # Where the generation wire's generations must stay.
     generation_band: GenerationBandConfig = field(default_factory=GenerationBandConfig)
     # The stated reason for each wire switched off.
@@ -618,8 +632,6 @@ class TripwireConfig:
                 "logps_window",
                 "length_window_pairs",
                 "generation_every_steps",
-                "generation_prompts",
-                "generation_max_new_tokens",
             ),
             finite("chosen_logp_floor", self.chosen_logp_floor, "a finite number"),
             in_range("length_band", self.length_band, 0, 1, "a share in [0, 1]"),
@@ -779,17 +791,16 @@ class SftGateConfig:
 
     # Mean held-out NLL (nats per response token) the SFT policy must stay under.
     max_held_nll: float = 2.0
-    # Held-out prompts the policy greedily completes.
-    generation_prompts: int = 8
-    # Tokens each completion may take to end.
-    max_new_tokens: int = 32
-    # Share of completions that must end with eos within max_new_tokens.
+    # The held-out prompts the policy greedily completes, and their length.
+    generation_check: GenerationCheckConfig = field(
+        default_factory=lambda: GenerationCheckConfig(prompts=8, max_new_tokens=32)
+    )
+    # Share of completions that must end with eos within generation_check.max_new_tokens.
     min_terminated_fraction: float = 1.0
 
     def checks(self) -> list[Check]:
         return [
             positive("max_held_nll", self.max_held_nll),
-            *positive_ints(self, "generation_prompts", "max_new_tokens"),
             in_range(
                 "min_terminated_fraction",
                 self.min_terminated_fraction,
@@ -843,21 +854,6 @@ class PairedEvalConfig:
 
 
 @dataclass
-class LengthProbeConfig:
-    """Greedy generations on held-out prompts: an arm outside `band` is ineligible."""
-
-    # Distinct held-out prompts every policy completes.
-    prompts: int = 16
-    # Tokens each completion may take to end.
-    max_new_tokens: int = 48
-    # Where an eligible arm's generations stay.
-    band: GenerationBandConfig = field(default_factory=GenerationBandConfig)
-
-    def checks(self) -> list[Check]:
-        return positive_ints(self, "prompts", "max_new_tokens")
-
-
-@dataclass
 class SelectionConfig:
     """The arm-selection pre-registration (config/selection.toml, section 13)."""
 
@@ -866,7 +862,12 @@ class SelectionConfig:
     # The arm selected when the rule finds no difference; one of the workflow's arms.
     default_arm: str = ""
     paired: PairedEvalConfig = field(default_factory=PairedEvalConfig)
-    generation: LengthProbeConfig = field(default_factory=LengthProbeConfig)
+    # Every policy's greedy generations on the eval set's first distinct prompts ...
+    generation_check: GenerationCheckConfig = field(
+        default_factory=lambda: GenerationCheckConfig(prompts=16, max_new_tokens=48)
+    )
+    # ... must stay here, or the arm is ineligible.
+    generation_band: GenerationBandConfig = field(default_factory=GenerationBandConfig)
     # One forward path scores every policy, so the comparison is not confounded by it.
     model: ModelConfig = field(default_factory=ModelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

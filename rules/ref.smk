@@ -24,7 +24,13 @@ rule ref_cache:
     threads: config["threads"]
     resources:
         **placement(arm_layout),
-        mem_mb=projected_mem_mb("ref_cache", arm_cfg_of, arm_layout, sft_checkpoint()),
+        mem_mb=projected_mem_mb(
+            "ref_cache",
+            arm_cfg_of,
+            arm_layout,
+            sft_checkpoint(),
+            lambda w: arm_shards(w.arm),
+        ),
         runtime=default_runtime,
         stop_window_s=unmeasured_stop_window_s,
     params:
@@ -55,7 +61,13 @@ checkpoint path_bias:
     threads: config["threads"]
     resources:
         **placement(arm_layout),
-        mem_mb=projected_mem_mb("path_bias", arm_cfg_of, arm_layout, sft_checkpoint()),
+        mem_mb=projected_mem_mb(
+            "path_bias",
+            arm_cfg_of,
+            arm_layout,
+            sft_checkpoint(),
+            lambda w: arm_shards(w.arm),
+        ),
         runtime=default_runtime,
         stop_window_s=unmeasured_stop_window_s,
     params:

@@ -94,7 +94,7 @@ def test_a_disarmed_wire_with_a_reason_loads_and_a_reason_for_an_armed_wire_is_r
         ("--tripwires.generation_band.length_low=1.2", "a factor in [0, 1]"),
         ("--tripwires.generation_band.length_high=0.9", "a factor >= 1"),
         ("--tripwires.generation_every_steps=0", "an integer >= 1"),
-        ("--tripwires.generation_prompts=0", "an integer >= 1"),
+        ("--tripwires.generation_check.prompts=0", "an integer >= 1"),
     ],
 )
 def test_a_generation_wire_setting_out_of_range_is_refused(token, expected):

@@ -567,10 +567,10 @@ def fabricated_run(tmp_path_factory) -> Path:
 
 SELECTION_TOML = (
     'rule = "paired_accuracy"\ndefault_arm = "beta"\n'
-    "[paired]\nn_boot = 500\nseed = 1\n[generation]\nprompts = 3\nmax_new_tokens = 6\n"
+    "[paired]\nn_boot = 500\nseed = 1\n[generation_check]\nprompts = 3\nmax_new_tokens = 6\n"
 )
 # The random tiny models never end a generation; most tests here are about the other rules.
-PERMISSIVE_BAND = "[generation.band]\nmin_terminated_vs_sft = 0.0\nmin_terminated_vs_chosen = 0.0\n"
+PERMISSIVE_BAND = "[generation_band]\nmin_terminated_vs_sft = 0.0\nmin_terminated_vs_chosen = 0.0\n"
 
 
 def recorded(path: Path) -> str:

@@ -45,9 +45,11 @@ seq_len = 32
 
 [gate]
 max_held_nll = 20.0
-generation_prompts = 2
-max_new_tokens = 4
 min_terminated_fraction = 0.0
+
+[gate.generation_check]
+prompts = 2
+max_new_tokens = 4
 
 [run]
 heavy_lock = "off"

@@ -247,9 +247,9 @@ class GenerationSchedule:
     def of(cls, cfg: ArmConfig, held: PairShard, pins: dict[str, Any]) -> GenerationSchedule:
         wires = cfg.tripwires
         return cls(
-            generation_prompts(held.arrays, wires.generation_prompts),
+            generation_prompts(held.arrays, wires.generation_check.prompts),
             wires.generation_every_steps,
-            wires.generation_max_new_tokens,
+            wires.generation_check.max_new_tokens,
             pins["eos_id"],
             pins["pad_id"],
         )

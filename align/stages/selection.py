@@ -42,7 +42,7 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
     )
     write_shard(work.eval_set, arrays, PAIR_FORMAT, split="eval", sources=sorted(sources))
     shard = PairShard(work.eval_set)
-    prompts = generation_prompts(arrays, cfg.generation.prompts)
+    prompts = generation_prompts(arrays, cfg.generation_check.prompts)
     scores, banner = {}, None
     for name, checkpoint in policies.items():
         scores[name] = paired.score_policy(
@@ -52,7 +52,7 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
             shard,
             cfg.eval.batch_size,
             prompts,
-            cfg.generation.max_new_tokens,
+            cfg.generation_check.max_new_tokens,
             pins,
             meter,
         )
@@ -65,7 +65,7 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
             if info.is_main:
                 LOG.info(f"banner\n{banner}")
     precision = paired.shared_precision(scores)
-    figures = paired.policy_figures(scores, cfg.paired, cfg.generation.max_new_tokens)
+    figures = paired.policy_figures(scores, cfg.paired, cfg.generation_check.max_new_tokens)
     eval_set = {
         "name": cfg.paired.eval_set,
         "path": paths.recorded(work.eval_set),
@@ -192,7 +192,8 @@ def the_rule(cfg: SelectionConfig) -> dict[str, Any]:
         "name": cfg.rule,
         "default_arm": cfg.default_arm,
         "paired": to_dict(cfg.paired),
-        "generation": to_dict(cfg.generation),
+        "generation_check": to_dict(cfg.generation_check),
+        "generation_band": to_dict(cfg.generation_band),
         "forward_path": to_dict(cfg.model),
     }
 
@@ -218,7 +219,7 @@ def run_select_arms(argv: list[str]) -> None:
     pins = gated.manifest["pins"]
     figures = score_everything(cfg, paths, gated.sources, pins, policies, projection)
     phases = figures.pop("phases")
-    band = sel.generation_band(cfg.generation.band, figures)
+    band = sel.generation_band(cfg.generation_band, figures)
     standings = sel.judge_generations(standings, figures["policies"], band)
     figures["generation_band"] = band.as_dict()
     decision = sel.decide(cfg.rule, cfg.default_arm, standings, figures["comparisons"])

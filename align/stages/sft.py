@@ -111,12 +111,17 @@ def evaluate_sft_gate(
     a = held.arrays
     prompts = [
         a["ids"][row, : a["prompt_len"][row]].tolist()
-        for row in range(min(cfg.gate.generation_prompts, len(held)))
+        for row in range(min(cfg.gate.generation_check.prompts, len(held)))
     ]
     with meter.phase("evaluate"):
         nll = mean_nll(model, held, cfg.eval.batch_size, info)
         decoded = greedy_generate_batch(
-            model, prompts, cfg.gate.max_new_tokens, tokenizer.eos_id, tokenizer.pad_id, info.device
+            model,
+            prompts,
+            cfg.gate.generation_check.max_new_tokens,
+            tokenizer.eos_id,
+            tokenizer.pad_id,
+            info.device,
         )
     generations = [
         {

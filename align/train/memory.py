@@ -365,13 +365,14 @@ def selection_seq_len(arm_cfgs: list[Any]) -> int:
 def generation_of(stage: str, cfg: Any) -> tuple[int, int]:
     """(prompts, new tokens) of the stage's greedy generations."""
     if stage == "sft_gate":
-        return cfg.gate.generation_prompts, cfg.gate.max_new_tokens
-    if stage == "select_arms":
-        return cfg.generation.prompts, cfg.generation.max_new_tokens
-    wires = cfg.tripwires
-    return (
-        (wires.generation_prompts, wires.generation_max_new_tokens) if wires.generation else (0, 0)
-    )
+        check = cfg.gate.generation_check
+    elif stage == "select_arms":
+        check = cfg.generation_check
+    elif cfg.tripwires.generation:
+        check = cfg.tripwires.generation_check
+    else:
+        return 0, 0
+    return check.prompts, check.max_new_tokens
 
 
 # sft_gate and select_arms score in one process whatever the training topology.
