@@ -29,6 +29,7 @@ from align.stages.select import UNION
 from align.train.path_bias import required_forward_impl
 from align.train.ref_cache import parse_forward_impl, ref_forward_impl
 from align.workflow.commands import image_entry, launch_command, srun_prefix
+from align.workflow.placement import Placement
 from align.workflow.resources import (
     JobResources,
     capped,
@@ -284,62 +285,29 @@ def batch_topology(batch):
         raise WorkflowError(str(err)) from err
 
 
+def placement_of(layout):
+    """The job's Placement (align.workflow.placement), from `layout(wildcards)`."""
+    return lambda wildcards: Placement(*layout(wildcards), config["slurm_gpu_model"])
+
+
 def placement(layout):
-    """Where a job runs and how it is laid out, from `layout(wildcards)` = (topology, device).
-
-    One node: one task holds every GPU of the job (sbatch --gpus=N); torchrun starts the
-    ranks inside it and rank i takes cuda:LOCAL_RANK, so each rank has its own device and
-    every stage asserts that before it loads a model
-    (align.utils.dist.assert_distinct_devices). A task count on a GPU job would turn into
-    --ntasks-per-gpu, so GPU jobs name no tasks and CPU jobs exactly one.
-
-    Several nodes: one task per node (--nodes=N --ntasks=N, each node's GPUs as
-    --gres=gpu:G), and the job runs its command in the allocation itself (the executor's
-    `mpi` mode), which starts one launcher per node under srun (`launcher`).
-    """
-
-    def is_multi(wildcards):
-        return layout(wildcards)[0].nodes > 1
-
-    def cuda(wildcards):
-        return layout(wildcards)[1] == "cuda"
-
-    def gpus(wildcards):
-        topo, device = layout(wildcards)
-        return topo.world_size if device == "cuda" and topo.nodes == 1 else 0
-
-    def tasks(wildcards):
-        if is_multi(wildcards):
-            return layout(wildcards)[0].nodes
-        return None if cuda(wildcards) else 1
-
+    """The Slurm resources of a job laid out as `layout(wildcards)` = (topology, device)."""
+    at = placement_of(layout)
     return {
-        "gpu": gpus,
+        "gpu": lambda wildcards: at(wildcards).gpus(),
         # The plugin asks for --gpus=MODEL:N; a multi-node job names the model in its gres.
         "gpu_model": lambda wildcards: (
-            config["slurm_gpu_model"] or None if gpus(wildcards) else None
+            config["slurm_gpu_model"] or None if at(wildcards).gpus() else None
         ),
-        "nodes": lambda wildcards: layout(wildcards)[0].nodes,
-        "tasks": tasks,
+        "nodes": lambda wildcards: at(wildcards).topo.nodes,
+        "tasks": lambda wildcards: at(wildcards).tasks(),
         "cpus_per_task": lambda wildcards, threads: threads,
-        "mpi": lambda wildcards: "srun" if is_multi(wildcards) else None,
-        "tasks_per_gpu": lambda wildcards: 0 if is_multi(wildcards) else None,
-        "gres": lambda wildcards: (
-            gpu_gres(layout(wildcards)[0].per_node)
-            if is_multi(wildcards) and cuda(wildcards)
-            else None
-        ),
-        "slurm_partition": lambda wildcards: slurm_partition(
-            layout(wildcards)[1] == "cuda"
-        ),
+        "mpi": lambda wildcards: "srun" if at(wildcards).multi_node else None,
+        "tasks_per_gpu": lambda wildcards: 0 if at(wildcards).multi_node else None,
+        "gres": lambda wildcards: at(wildcards).gres(),
+        "slurm_partition": lambda wildcards: slurm_partition(at(wildcards).on_gpus),
         "slurm_account": lambda wildcards: config["slurm_account"] or None,
     }
-
-
-def gpu_gres(per_node):
-    """Each node's GPUs as a gres, of the site's GPU model when it names one."""
-    model = config["slurm_gpu_model"]
-    return f"gpu:{model}:{per_node}" if model else f"gpu:{per_node}"
 
 
 def launcher(layout, stop_marker=None, accept_exit=()):
@@ -348,15 +316,15 @@ def launcher(layout, stop_marker=None, accept_exit=()):
     """
 
     def command(wildcards, resources):
-        topo, device = layout(wildcards)
-        per_node = []
-        if topo.nodes > 1:
+        at = placement_of(layout)(wildcards)
+        topo, per_node = at.topo, []
+        if at.multi_node:
             if not time_limited():
                 raise WorkflowError(
                     f"{topo.nodes} nodes x {topo.per_node} ranks: a multi-node stage runs "
                     "under Slurm (--executor slurm or the workflow profile), not locally"
                 )
-            gres = gpu_gres(topo.per_node) if device == "cuda" else None
+            gres = at.node_gres() if at.on_gpus else None
             per_node = srun_prefix(topo, config["threads"], gres) + job_image_entry()
         return launch_command(
             topo,

@@ -14,6 +14,7 @@ from align.topology import Topology
 from align.train.probes import ProbeReceipt
 from align.workflow import slurm
 from align.workflow.commands import image_entry, launch_command, srun_prefix
+from align.workflow.placement import Placement
 from align.workflow.resources import JobResources, capped, first_attempt_cap, wall_seconds
 
 JOB = JobResources.of(
@@ -147,3 +148,23 @@ def test_the_probe_receipt_gives_the_measured_peak_per_node_beside_the_projectio
 
 def test_an_absent_receipt_reads_as_not_yet_measured(tmp_path):
     assert ProbeReceipt.read(tmp_path / "probe.json") is None
+
+
+@pytest.mark.parametrize(
+    ("topo", "device", "gpus", "tasks", "gres"),
+    [
+        (Topology(1, 2), "cpu", 0, 1, None),
+        (Topology(1, 4), "cuda", 4, None, None),
+        (Topology(2, 1), "cpu", 0, 2, None),
+        (Topology(2, 4), "cuda", 0, 2, "gpu:h100:4"),
+    ],
+)
+def test_one_node_holds_its_gpus_in_one_task_and_several_nodes_one_task_each(
+    topo, device, gpus, tasks, gres
+):
+    at = Placement(topo, device, "h100")
+    assert (at.gpus(), at.tasks(), at.gres()) == (gpus, tasks, gres)
+
+
+def test_a_site_without_a_gpu_model_asks_for_any_gpu():
+    assert Placement(Topology(2, 4), "cuda").node_gres() == "gpu:4"

@@ -1,0 +1,52 @@
+"""Where a job runs on Slurm and how its ranks are laid out, from its topology and device.
+
+One node: one task holds every GPU of the job (sbatch --gpus=N); torchrun starts the ranks
+inside it and rank i takes cuda:LOCAL_RANK, so each rank has its own device and every stage
+asserts that before it loads a model (align.utils.dist.assert_distinct_devices). A task
+count on a GPU job would turn into --ntasks-per-gpu, so GPU jobs name no tasks and CPU jobs
+exactly one.
+
+Several nodes: one task per node (--nodes=N --ntasks=N, each node's GPUs as --gres), and
+the job runs its command in the allocation itself (the executor's `mpi` mode), which starts
+one launcher per node under srun (align.workflow.commands).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from align.topology import Topology
+
+
+@dataclass(frozen=True)
+class Placement:
+    topo: Topology
+    device: str
+    # The site's GRES type of the GPU model jobs must land on; empty: any.
+    gpu_model: str = ""
+
+    @property
+    def multi_node(self) -> bool:
+        return self.topo.nodes > 1
+
+    @property
+    def on_gpus(self) -> bool:
+        return self.device == "cuda"
+
+    def gpus(self) -> int:
+        """The GPUs a one-node job asks for (sbatch --gpus); a multi-node job asks per node."""
+        return self.topo.world_size if self.on_gpus and not self.multi_node else 0
+
+    def tasks(self) -> int | None:
+        if self.multi_node:
+            return self.topo.nodes
+        return None if self.on_gpus else 1
+
+    def node_gres(self) -> str:
+        """Each node's GPUs as a gres, of the site's GPU model when it names one."""
+        model = f"{self.gpu_model}:" if self.gpu_model else ""
+        return f"gpu:{model}{self.topo.per_node}"
+
+    def gres(self) -> str | None:
+        """The job's gres: a multi-node GPU job's per-node GPUs (one-node jobs use --gpus)."""
+        return self.node_gres() if self.multi_node and self.on_gpus else None
