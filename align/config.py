@@ -24,12 +24,14 @@ from align.constants import (
     CPU_ISAS,
     DATA_FORMATS,
     DEVICES,
+    DPO_LOSSES,
     DTYPES,
     LOCK_MODES,
     MIN_VOCAB_SIZE,
     OPTIMIZERS,
     SEGMENT_MASK_ATTENTION,
     SELECTION_RULES,
+    SMOOTHABLE_LOSSES,
     TRUNCATION_POLICIES,
 )
 from align.exit_codes import ConfigError
@@ -39,9 +41,6 @@ from align.topology import divides, ranks_per_node
 T = TypeVar("T")
 # An arm's name is a directory of results_dir: one path component, no dots or spaces.
 ARM_NAME = re.compile(r"[A-Za-z0-9_-]+")
-# The DPO loss variants align.losses.dpo implements; label smoothing applies to the first.
-DPO_LOSSES = ("sigmoid", "ipo", "hinge")
-SMOOTHABLE_LOSSES = ("sigmoid",)
 
 
 class Check(NamedTuple):

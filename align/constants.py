@@ -43,6 +43,11 @@ ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "triton_fa2")
 # The backends whose mask keeps the prefix-shared layout's branches apart (batch.share_prompt).
 SEGMENT_MASK_ATTENTION = ("sdpa", "eager")
 
+# dpo.loss: the pair losses align.losses.dpo registers, in its order; label smoothing
+# (conservative DPO) applies to SMOOTHABLE_LOSSES only.
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+SMOOTHABLE_LOSSES = ("sigmoid",)
+
 # optimizer.name: torch's AdamW (float32 moments), bitsandbytes' 8-bit AdamW (align.train.optim).
 OPTIMIZERS = ("adamw", "adamw8bit")
 

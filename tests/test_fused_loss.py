@@ -10,7 +10,8 @@ import pytest
 import torch
 from tiny_models import tiny_mistral_config
 
-from align.config import DPO_LOSSES, DpoConfig
+from align.config import DpoConfig
+from align.constants import DPO_LOSSES
 from align.data.loader import TokenBatch
 from align.eval.logprobs import full_logits_sequence_logps as sequence_logps
 from align.losses.dpo import _PAIR_LOSSES, DPOObjective, dpo_objective
