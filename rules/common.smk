@@ -240,7 +240,8 @@ def container_for(layout):
     multi-node job's command is `srun` on the host, since Slurm's client is not in the image
     and must match the cluster's; each node's launcher enters the image itself
     (`image_entry`), as Apptainer's hybrid model for MPI jobs does."""
-    return lambda wildcards: CONTAINER if layout(wildcards)[0].nodes == 1 else None
+    at = placement_of(layout)
+    return lambda wildcards: None if at(wildcards).multi_node else CONTAINER
 
 
 def job_image_entry():
@@ -324,8 +325,9 @@ def launcher(layout, stop_marker=None, accept_exit=()):
                     f"{topo.nodes} nodes x {topo.per_node} ranks: a multi-node stage runs "
                     "under Slurm (--executor slurm or the workflow profile), not locally"
                 )
-            gres = at.node_gres() if at.on_gpus else None
-            per_node = srun_prefix(topo, config["threads"], gres) + job_image_entry()
+            per_node = (
+                srun_prefix(topo, config["threads"], at.gres()) + job_image_entry()
+            )
         return launch_command(
             topo,
             resources.stop_window_s,
@@ -356,18 +358,21 @@ def node_memory_overrides(wildcards):
     preflight measures this host itself."""
     if not workflow.non_local_exec:
         return ""
-    partition = (
-        slurm_partition(arm_layout(wildcards)[1] == "cuda") or default_partition()
-    )
-    configured = config["slurm_node_memory_mb"]
-    if partition in configured:
-        mb, source = (
-            configured[partition],
-            f"slurm_node_memory_mb[{partition}] (workflow config)",
+    try:
+        partition = (
+            slurm_partition(arm_layout(wildcards)[1] == "cuda") or default_partition()
         )
-    else:
-        mb = partition_node_memory_mb(partition)
-        source = f"scontrol: smallest RealMemory of partition {partition}"
+        configured = config["slurm_node_memory_mb"]
+        if partition in configured:
+            mb, source = (
+                configured[partition],
+                f"slurm_node_memory_mb[{partition}] (workflow config)",
+            )
+        else:
+            mb = partition_node_memory_mb(partition)
+            source = f"scontrol: smallest RealMemory of partition {partition}"
+    except ConfigError as err:  # scontrol failed: the workflow refuses, naming the key
+        raise WorkflowError(str(err)) from err
     return f"--run.node_memory_mb={mb} --run.node_memory_source={shlex.quote(source)}"
 
 

@@ -174,8 +174,16 @@ def _flat(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
     return out
 
 
+class OfArm:
+    """The arm's paths, for anything that holds its config and run paths."""
+
+    @property
+    def arm(self):
+        return self.paths.arm(self.cfg.arm)
+
+
 @dataclass
-class GateWork:
+class GateWork(OfArm):
     """What the gates establish, filled in GATE_ORDER: each gate reads only what the gates
     before it set. Stages get a frozen `Gated` of it (`run_gates`), never this."""
 
@@ -188,10 +196,6 @@ class GateWork:
     path_bias: PathBiasDecision | None = None
     projection: MemoryVerdict | None = None
     probe: ProbeReceipt | None = None
-
-    @property
-    def arm(self):
-        return self.paths.arm(self.cfg.arm)
 
     @property
     def descoped(self) -> bool:
@@ -430,7 +434,7 @@ class GateReport:
 
 
 @dataclass(frozen=True)
-class Gated:
+class Gated(OfArm):
     """What the gates through preflight established for the stage after them. Nothing in
     it is missing: a run whose gates refused gets none."""
 
@@ -443,10 +447,6 @@ class Gated:
     path_bias: PathBiasDecision
     projection: MemoryVerdict
 
-    @property
-    def arm(self):
-        return self.paths.arm(self.cfg.arm)
-
 
 @dataclass(frozen=True)
 class Probed(Gated):
@@ -456,16 +456,12 @@ class Probed(Gated):
 
 
 @dataclass(frozen=True)
-class Descoped:
+class Descoped(OfArm):
     """An arm the manifest descoped: there is nothing to check beyond it, nor to train."""
 
     cfg: ArmConfig
     paths: RunPaths
     entry: ArmEntry
-
-    @property
-    def arm(self):
-        return self.paths.arm(self.cfg.arm)
 
 
 # The gates a stage may run through, and what each gives it.

@@ -10,7 +10,6 @@ whole stage: a trainer installs its own while it fits and puts this one back aft
 from __future__ import annotations
 
 import dataclasses
-import json
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any, Self
 
 from align.exit_codes import GateRefused, ResumableStop
 from align.paths import trained_record_in
-from align.receipts import write_json_atomic
+from align.receipts import read_json, write_json_atomic
 from align.stages.entry import is_main_process
 from align.train.trainer import StopRequest
 from align.utils.dist import any_rank, barrier
@@ -44,7 +43,7 @@ class Trained:
         path = trained_record_in(run_dir)
         if not resume or not path.is_file():
             return None
-        return cls(**json.loads(path.read_text()))
+        return cls(**read_json(path))
 
     def write(self, run_dir: Path) -> None:
         """Rank 0 writes it; every rank waits until it is there."""
@@ -91,7 +90,7 @@ def resume_evaluation(stage: str, policy: Path, fingerprint, marker: Path) -> di
         raise GateRefused(
             stage, f"{policy}: weight files changed since they were exported (sizes and times)"
         )
-    resumed = json.loads(marker.read_text()) if marker.is_file() else None
+    resumed = read_json(marker) if marker.is_file() else None
     barrier()
     if is_main_process():
         marker.unlink(missing_ok=True)

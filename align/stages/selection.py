@@ -79,7 +79,7 @@ def score_everything(cfg: SelectionConfig, paths: RunPaths, sources, pins, polic
 
 
 @dataclass(frozen=True)
-class Gated:
+class SelectionInputs:
     """What selection's gates passed: the SFT policy and its weights' hash, the manifest,
     each arm's result, the eval set's sources, and the gate table."""
 
@@ -91,7 +91,7 @@ class Gated:
     report: gates.GateReport
 
 
-def selection_gates(cfg: SelectionConfig, paths: RunPaths, arms: list[str]) -> Gated:
+def selection_gates(cfg: SelectionConfig, paths: RunPaths, arms: list[str]) -> SelectionInputs:
     """Every input of the selection re-checked, in order, before torch is imported."""
     report = gates.GateReport()
     gate = report.run(
@@ -128,35 +128,40 @@ def selection_gates(cfg: SelectionConfig, paths: RunPaths, arms: list[str]) -> G
         arms,
         figures=lambda found: {"sources": ", ".join(sorted(found))},
     )
-    return Gated(gate.checkpoint, sft_hash, manifest, results, sources, report)
+    return SelectionInputs(gate.checkpoint, sft_hash, manifest, results, sources, report)
 
 
-def scored_arms(gated: Gated, standings: dict[str, dict[str, Any]]) -> list[str]:
+def scored_arms(passed: SelectionInputs, standings: dict[str, dict[str, Any]]) -> list[str]:
     """Measured arms with a policy: scored even when not eligible, so a badly measured arm
     is still seen beside the others; only the decision skips it."""
     return [
         arm
-        for arm, result in gated.results.items()
+        for arm, result in passed.results.items()
         if standings[arm]["measured"] and result.get("policy")
     ]
 
 
-def policies_to_score(paths: RunPaths, gated: Gated, scored: list[str]) -> dict[str, str]:
+def policies_to_score(
+    paths: RunPaths, passed: SelectionInputs, scored: list[str]
+) -> dict[str, str]:
     """Arms first, so each comparison with the SFT policy reads "arm - sft"."""
     arms = {
         arm: str(
-            paths.resolve(gated.results[arm]["policy"], "arm_result", paths.arm(arm).arm_result)
+            paths.resolve(passed.results[arm]["policy"], "arm_result", paths.arm(arm).arm_result)
         )
         for arm in scored
     }
-    return {**arms, sel.SFT: str(gated.sft_checkpoint)}
+    return {**arms, sel.SFT: str(passed.sft_checkpoint)}
 
 
 def selection_projection(
-    cfg: SelectionConfig, gated: Gated, policies: dict[str, str], arm_cfgs: list[ArmConfig]
+    cfg: SelectionConfig,
+    passed: SelectionInputs,
+    policies: dict[str, str],
+    arm_cfgs: list[ArmConfig],
 ) -> dict[str, Any]:
     """One policy is loaded at a time: the largest one's projection is the job's."""
-    shards = [src["path"] for src in gated.sources.values()]
+    shards = [src["path"] for src in passed.sources.values()]
     seq_len = selection_seq_len(arm_cfgs)
     return max(
         (
@@ -167,15 +172,15 @@ def selection_projection(
     )
 
 
-def selection_inputs(paths: RunPaths, gated: Gated, scored: list[str]) -> dict[str, str]:
+def selection_inputs(paths: RunPaths, passed: SelectionInputs, scored: list[str]) -> dict[str, str]:
     """The hashes of everything the selection read, by recorded path."""
     recorded = paths.recorded
-    results = gated.results
+    results = passed.results
     return {
         recorded(paths.sft_gate): hash_file(paths.sft_gate),
-        recorded(gated.sft_checkpoint): gated.sft_hash,
+        recorded(passed.sft_checkpoint): passed.sft_hash,
         recorded(paths.manifest): hash_file(paths.manifest),
-        **{recorded(src["path"]): src["hash"] for src in gated.sources.values()},
+        **{recorded(src["path"]): src["hash"] for src in passed.sources.values()},
         **{
             recorded(paths.arm(arm).arm_result): hash_file(paths.arm(arm).arm_result)
             for arm in results
@@ -208,16 +213,16 @@ def run_select_arms(argv: list[str]) -> None:
     arms = [arm.arm for arm in arm_cfgs]
     sel.check_selection_config(cfg, arms, str(selection_toml))
     stage = Stage("select_arms")
-    gated = selection_gates(cfg, paths, arms)
-    standings = {arm: sel.arm_standing(gated.results[arm]) for arm in arms}
-    scored = scored_arms(gated, standings)
-    policies = policies_to_score(paths, gated, scored)
+    passed = selection_gates(cfg, paths, arms)
+    standings = {arm: sel.arm_standing(passed.results[arm]) for arm in arms}
+    scored = scored_arms(passed, standings)
+    policies = policies_to_score(paths, passed, scored)
     configure_cpu(cfg.run)
-    projection = selection_projection(cfg, gated, policies, arm_cfgs)
+    projection = selection_projection(cfg, passed, policies, arm_cfgs)
     from align.utils.dist import destroy_distributed
 
-    pins = gated.manifest["pins"]
-    figures = score_everything(cfg, paths, gated.sources, pins, policies, projection)
+    pins = passed.manifest["pins"]
+    figures = score_everything(cfg, paths, passed.sources, pins, policies, projection)
     phases = figures.pop("phases")
     band = sel.generation_band(cfg.generation_band, figures)
     standings = sel.judge_generations(standings, figures["policies"], band)
@@ -226,7 +231,7 @@ def run_select_arms(argv: list[str]) -> None:
     receipt = stage.receipt(
         loaded,
         PASSED if decision["selected"] else FAILED,
-        inputs=selection_inputs(paths, gated, scored),
+        inputs=selection_inputs(paths, passed, scored),
         outputs={figures["eval_set"]["path"]: figures["eval_set"]["hash"]},
         figures=figures,
         phases=phases,
@@ -234,7 +239,7 @@ def run_select_arms(argv: list[str]) -> None:
         rule=the_rule(cfg),
         arms=standings,
         decision=decision,
-        gates=gated.report.recorded(),
+        gates=passed.report.recorded(),
     )
     stage.write(paths.selection, receipt)
     LOG.info(f"selected {decision['selected']} ({decision['branch']}): {decision['reason']}")

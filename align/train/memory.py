@@ -14,7 +14,6 @@ before the stage builds a model.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from align.data.shards import RowWidths
 from align.exit_codes import PreflightRefused
 from align.model.checkpoint_shapes import verified_hf_config, verify_checkpoint
 from align.model.hf_config import MistralConfig, load_hf_config
+from align.receipts import read_json
 from align.topology import topology
 from align.utils.weights_hash import INDEX_FILE_NAME, SINGLE_FILE_NAME
 
@@ -640,8 +640,7 @@ class MemoryVerdict:
     @classmethod
     def read(cls, path: str | Path) -> MemoryVerdict | None:
         """The preflight receipt at `path`, or None while the preflight has not run."""
-        path = Path(path)
-        return cls.of(json.loads(path.read_text())["figures"]) if path.is_file() else None
+        return cls.of(read_json(path)["figures"]) if Path(path).is_file() else None
 
 
 def check_stage_rss(

@@ -9,12 +9,13 @@ projected allocator share of one GPU.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from align.receipts import read_json
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,7 @@ class ProbeReceipt:
     @classmethod
     def read(cls, path: str | Path) -> ProbeReceipt | None:
         """The receipt at `path`, or None while the probe has not run."""
-        path = Path(path)
-        return cls.of(json.loads(path.read_text())) if path.is_file() else None
+        return cls.of(read_json(path)) if Path(path).is_file() else None
 
     @property
     def measured_node_mb(self) -> float:
