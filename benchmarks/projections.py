@@ -108,9 +108,8 @@ def current_wall_s(results: Path, cfg, probe: dict) -> float:
 
 def current_projection(results: Path, receipt: dict, arm_configs: list) -> dict:
     """The stage's projection by today's memory model, for the config its receipt ran."""
-    from align.data.shards import RowWidths
     from align.paths import SPLITS, RunPaths
-    from align.train.memory import job_shape, projected_job_rss, selection_seq_len, stage_nodes
+    from align.train.memory import projected_job_rss, selection_seq_len, shards_shape, stage_nodes
 
     stage = receipt["stage"]
     cfg = receipt_config(receipt)
@@ -120,16 +119,16 @@ def current_projection(results: Path, receipt: dict, arm_configs: list) -> dict:
         checkpoint = Path(cfg.run.sft_checkpoint or RunPaths.of(results).sft_checkpoint)
     run = RunPaths.of(results)
     if stage == "select_arms":
-        shards = [run.arm(arm.arm).shard("held") for arm in arm_configs]
+        shards = {arm.arm: run.arm(arm.arm).shard("held") for arm in arm_configs}
     elif stage in ("sft", "sft_gate"):
-        shards = []
+        shards = {}
     else:
-        shards = [run.arm(cfg.arm).shard(split) for split in SPLITS]
+        shards = {split: run.arm(cfg.arm).shard(split) for split in SPLITS}
     seq_len = selection_seq_len(arm_configs) if stage == "select_arms" else 0
     projected = "dpo" if stage == "probe" else stage
     nodes = stage_nodes(projected, cfg)
-    shape = job_shape(projected, cfg, nodes, seq_len, RowWidths.of(shards))
-    return projected_job_rss(shape, checkpoint, sum(path.stat().st_size for path in shards))
+    shape = shards_shape(projected, cfg, nodes, seq_len, shards)
+    return projected_job_rss(shape, checkpoint, sum(p.stat().st_size for p in shards.values()))
 
 
 def with_current_projections(results: Path, found: list[tuple[str, Path, dict]]) -> None:

@@ -11,13 +11,12 @@ from snakemake.logging import logger
 from snakemake.settings.types import DeploymentMethod
 
 from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
-from align.data.shards import RowWidths
 from align.exit_codes import TRIPWIRE, ConfigError
 from align.topology import Topology, topology
 from align.train.memory import (
     MemoryVerdict,
-    job_shape,
     projected_job_rss,
+    shards_shape,
     selection_seq_len,
 )
 from align.train.probes import ProbeReceipt
@@ -157,7 +156,8 @@ def checkpoint_inputs(directory):
 
 
 def arm_shards(arm):
-    return [PATHS.arm(arm).shard(split) for split in SPLITS]
+    """The arm's pair shards by split."""
+    return {split: PATHS.arm(arm).shard(split) for split in SPLITS}
 
 
 def selection_shards(wildcards):
@@ -165,8 +165,8 @@ def selection_shards(wildcards):
     the one file paired.eval_set names."""
     eval_set = selection_cfg_of(wildcards).paired.eval_set
     if eval_set == UNION:
-        return [PATHS.arm(arm).shard("held") for arm in ARMS]
-    return [eval_set]
+        return {arm: PATHS.arm(arm).shard("held") for arm in ARMS}
+    return {"eval_set": eval_set}
 
 
 def preregistered_ref_caches(wildcards):
@@ -398,7 +398,7 @@ def first_attempt_limit(stage, runtime_min, attempt):
 
 
 def projected_mem_mb(
-    stage, cfg, layout, checkpoint, shards=lambda wildcards: (), seq_len=lambda: 0
+    stage, cfg, layout, checkpoint, shards=lambda wildcards: {}, seq_len=lambda: 0
 ):
     """A model-loading job's memory request: the projection of align.train.memory for
     the stage (staging, export, shards, runtime; on the CPU the model itself) on its
@@ -415,10 +415,9 @@ def projected_mem_mb(
         ]
         if not found:
             return JOB.default_mem_mb(attempt)
-        present = [Path(p) for p in shards(wildcards) if Path(p).is_file()]
-        shard_bytes = sum(p.stat().st_size for p in present)
-        widths = RowWidths.of(present)
-        shape = job_shape(stage, cfg(wildcards), topo.nodes, seq_len(), widths)
+        present = {k: Path(p) for k, p in shards(wildcards).items() if Path(p).is_file()}
+        shard_bytes = sum(p.stat().st_size for p in present.values())
+        shape = shards_shape(stage, cfg(wildcards), topo.nodes, seq_len(), present)
         projection = projected_job_rss(shape, found[0], shard_bytes)
         return JOB.rss_mem_mb(projection["node_mb"], attempt)
 

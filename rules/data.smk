@@ -7,7 +7,7 @@ rule build_manifest:
         raw=sorted({f for arm in ARMS for f in arm_cfg(arm).data.files}),
     output:
         manifest=PATHS.manifest,
-        shards=[shard for arm in ARMS for shard in arm_shards(arm)],
+        shards=[shard for arm in ARMS for shard in arm_shards(arm).values()],
     log:
         PATHS.log("build_manifest"),
     benchmark:

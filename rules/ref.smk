@@ -8,7 +8,7 @@ rule ref_cache:
         script=SCRIPTS / "precompute_ref_logprobs.py",
         gate=PATHS.sft_gate,
         manifest=PATHS.manifest,
-        shards=lambda w: arm_shards(w.arm),
+        shards=lambda w: list(arm_shards(w.arm).values()),
         config=lambda w: arm_toml(w.arm),
         kernel=kernel_receipts,
     output:

@@ -20,12 +20,12 @@ import torch
 from tiny_pairs import write_tiny_pairs
 
 from align.config import RefConfig, RunConfig
+from align.data.deal import slice_rows
 from align.exit_codes import AlignError
 from align.stages.ref_precompute import (
     merge_parts,
     precompute_ref_caches,
     reusable_parts,
-    slice_rows,
     slice_size,
 )
 from align.train.ref_cache import (

@@ -55,9 +55,10 @@ JOB_RESOURCES = {
     "checkpoint_s": 10,
     "exit_grace_s": 5,
 }
-# Long enough that the first DPO attempt still trains when its one-minute limit nears: under
-# the suite's load it has trained about 23 of the 56 steps by then.
-ARM_EPOCHS = 2
+# Long enough that the first DPO attempt still trains when its one-minute limit nears, on an
+# idle host as under the suite's load: 140 steps at the fastest 0.55 s a step seen here
+# outlast the 53 s before the pre-timeout signal.
+ARM_EPOCHS = 5
 # One training run per DPO attempt, so a stop and its resume are the run's own.
 SLURM_ARM_WIRES = """
 [tripwires.disarmed]
@@ -240,8 +241,11 @@ def wait_until_resumed_training(work: Path, proc: subprocess.Popen, timeout_s: f
             if lines >= logged + 2:
                 return attempts[1]
         time.sleep(0.5)
+    states = [j["JobState"] for j in jobs_of(work) if j["Comment"].startswith("rule_dpo")]
     raise AssertionError(
-        f"the second dpo job of {work} never trained (snakemake exit {proc.poll()})"
+        f"the second dpo job of {work} never trained (snakemake exit {proc.poll()}, dpo jobs "
+        f"{states}); a first attempt that completed inside its one-minute limit needs more "
+        "ARM_EPOCHS on this host"
     )
 
 
@@ -403,15 +407,16 @@ def test_untimed_jobs_take_the_configured_time(slurm_run):
 
 
 def projected_request(
-    stage: str, cfg, checkpoint: Path, nodes: int, seq_len: int = 0, shards: list[Path] = ()
+    stage: str, cfg, checkpoint: Path, nodes: int, seq_len: int = 0, shards: dict | None = None
 ) -> int:
     """The memory a model-loading job must ask for: its stage's projection on its fullest
-    node, with the bytes and longest rows of the pair shards it reads, plus margins."""
-    from align.data.shards import RowWidths
-    from align.train.memory import job_shape, projected_job_rss
+    node, with the bytes, longest rows and scoring forwards of the pair shards it reads,
+    plus margins."""
+    from align.train.memory import projected_job_rss, shards_shape
 
-    shape = job_shape(stage, cfg, nodes, seq_len, RowWidths.of(shards))
-    shard_bytes = sum(path.stat().st_size for path in shards)
+    shards = shards or {}
+    shape = shards_shape(stage, cfg, nodes, seq_len, shards)
+    shard_bytes = sum(path.stat().st_size for path in shards.values())
     projection = projected_job_rss(shape, checkpoint, shard_bytes)
     return rss_request(projection["node_mb"], attempt=1)
 
@@ -426,7 +431,7 @@ def test_model_loading_jobs_ask_for_their_stage_projection(slurm_run):
     selection = load_config(REPO / "config" / "selection.toml", SelectionConfig).cfg
     base, checkpoint = work / "resources/tiny/base", work / "results/sft/checkpoint"
     shards = RunPaths.of(work / "results").arm(ARM)
-    pairs = [shards.shard(split) for split in SPLITS]
+    pairs = {split: shards.shard(split) for split in SPLITS}
     expected = {
         "sft": projected_request("sft", sft, base, nodes=1),
         "sft_gate": projected_request("sft_gate", sft, checkpoint, nodes=1),
@@ -438,7 +443,7 @@ def test_model_loading_jobs_ask_for_their_stage_projection(slurm_run):
             checkpoint,
             nodes=1,
             seq_len=arm.data.seq_len,
-            shards=[shards.shard("held")],
+            shards={ARM: shards.shard("held")},
         ),
     }
     for rule, request in expected.items():

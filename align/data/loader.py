@@ -20,7 +20,7 @@ import torch
 
 from align.constants import BRANCH_SEGMENT, IGNORE_INDEX, PAD_SEGMENT, PREFIX_SEGMENT
 from align.data.sampler import TokenBudgetSampler
-from align.data.shards import read_shard
+from align.data.shards import pair_row_widths, read_shard
 
 
 @dataclass
@@ -163,7 +163,7 @@ class PairShard:
     @property
     def pair_widths(self) -> np.ndarray:
         """Each pair's padded width in a batch: its longer sequence, prompt included."""
-        return np.maximum(self.arrays["chosen_len"], self.arrays["rejected_len"])
+        return pair_row_widths(self.arrays, shared=False)
 
     def collate(self, rows: np.ndarray) -> TokenBatch:
         if self.share_prompt:
@@ -174,11 +174,8 @@ class PairShard:
         """Positions the collated batch of `rows` holds, padding included, without collating."""
         if not len(rows):
             return 0
-        if self.share_prompt:
-            a = self.arrays
-            length = a["chosen_len"][rows].astype(np.int64) + a["rejected_len"][rows]
-            return len(rows) * int((length - a["prompt_len"][rows]).max())
-        return 2 * len(rows) * int(self.pair_widths[rows].max())
+        widths = pair_row_widths(self.arrays, self.share_prompt)[rows]
+        return (1 if self.share_prompt else 2) * len(rows) * int(widths.max())
 
 
 def preference_dataset(path: str | Path, share_prompt: bool = False) -> PairShard:

@@ -115,9 +115,19 @@ class RowWidths:
     def _of_shard(cls, arrays: dict[str, np.ndarray]) -> RowWidths:
         if not len(arrays["pair_id"]):
             return cls(0, 0)
-        prompt = arrays["prompt_len"].astype(np.int64)
-        chosen, rejected = arrays["chosen_len"], arrays["rejected_len"]
-        return cls(int(np.maximum(chosen, rejected).max()), int((chosen + rejected - prompt).max()))
+        return cls(
+            int(pair_row_widths(arrays, shared=False).max()),
+            int(pair_row_widths(arrays, shared=True).max()),
+        )
+
+
+def pair_row_widths(arrays: dict[str, np.ndarray], shared: bool) -> np.ndarray:
+    """Each pair's row width in a batch: its longer sequence, prompt included, as two rows;
+    the prompt then both responses, as one prefix-shared row."""
+    chosen, rejected = arrays["chosen_len"].astype(np.int64), arrays["rejected_len"]
+    if shared:
+        return chosen + rejected - arrays["prompt_len"]
+    return np.maximum(chosen, rejected)
 
 
 class GrowingArray:

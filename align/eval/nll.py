@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
+from align.data.deal import padding_rows, rank_blocks
 from align.eval.logprobs import sequence_logps_and_counts
-from align.eval.preference import rank_blocks
 from align.utils.dist import DistInfo, all_reduce_sum
 
 
@@ -22,7 +21,7 @@ def mean_nll(
     for rows in rank_blocks(len(shard), batch_size, info.rank, info.world_size):
         if between_batches is not None:
             between_batches()
-        batch = shard.collate(rows if rows is not None else np.arange(min(batch_size, len(shard))))
+        batch = shard.collate(rows if rows is not None else padding_rows(len(shard), batch_size))
         logps, counts = sequence_logps_and_counts(model, batch)
         if rows is not None:
             total -= float(logps.sum())

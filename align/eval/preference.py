@@ -14,19 +14,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from align.data.deal import padding_rows, rank_blocks
 from align.data.loader import PairShard
 from align.eval.logprobs import sequence_logps
 from align.eval.stats import accuracy_summary
 from align.utils.dist import DistInfo, all_reduce_sum
-
-
-def rank_blocks(n: int, batch_size: int, rank: int, world_size: int) -> list[np.ndarray | None]:
-    """This rank's row blocks; None marks a padding forward that keeps ranks in step."""
-    blocks = [np.arange(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
-    rounds = -(-len(blocks) // world_size)
-    return [
-        blocks[i] if i < len(blocks) else None for i in range(rank, rounds * world_size, world_size)
-    ]
 
 
 @torch.no_grad()
@@ -74,7 +66,7 @@ def score_pairs(
         model,
         shard,
         [selected[b] if b is not None else None for b in blocks],
-        selected[: min(batch_size, n)],
+        selected[padding_rows(n, batch_size)],
         desc,
         info.is_main,
         between_batches,

@@ -62,6 +62,11 @@ class Session:
     model: Any
     trainer: Any
 
+    def end_training(self) -> None:
+        """Drop the trainer and with it the optimizer state: export and evaluation need only
+        the policy, and their memory projections count no optimizer."""
+        self.trainer = None
+
 
 def _setup(
     cfg: ArmConfig,
@@ -479,12 +484,7 @@ def train_and_export(
         rerun_dir = gated.arm.training_run_dir(RERUN)
         final = _train_once(final_cfg, gated, rerun_dir, RERUN, meter, stage_started)
         runs.append(final)
-    info = final.session.info
-    if info.is_main:
-        LOG.info(f"exporting the policy to {gated.arm.policy_dir}")
-    with meter.phase("export"):
-        export_policy(final.session.model, info, gated.checkpoint, gated.arm.policy_dir)
-        barrier()  # rank 0 writes the export; every rank reads its files below
+    export_trained(final.session, gated, meter)
     trained = ArmTrained(
         banner=final.banner or first.banner,
         training=final.summary,
@@ -495,6 +495,16 @@ def train_and_export(
     )
     trained.write(gated.arm.run_dir)
     return trained, final
+
+
+def export_trained(session: Session, gated: Probed, meter: PhaseMeter) -> None:
+    """The result run's policy in HF format, its trainer dropped first."""
+    session.end_training()
+    if session.info.is_main:
+        LOG.info(f"exporting the policy to {gated.arm.policy_dir}")
+    with meter.phase("export"):
+        export_policy(session.model, session.info, gated.checkpoint, gated.arm.policy_dir)
+        barrier()  # rank 0 writes the export; every rank reads its files below
 
 
 def reload_exported(cfg: ArmConfig, gated: Probed, trained: ArmTrained, meter: PhaseMeter):

@@ -313,7 +313,7 @@ def require_measured_path(
 def _gate_preflight(ctx: GateWork) -> dict[str, Any]:
     cfg = ctx.cfg
     master_updates = check_master_updates(cfg, ctx.checkpoint)
-    shards = [ctx.entry.shards[split] for split in SPLITS]
+    shards = {split: ctx.entry.shards[split] for split in SPLITS}
     # The dpo job's memory on its fullest node, and on each device under CUDA.
     projection = check_stage_rss("dpo", cfg, ctx.checkpoint, shards)
     projection["master_updates"] = master_updates

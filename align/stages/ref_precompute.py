@@ -23,6 +23,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from align.config import ModelConfig, RefConfig, RunConfig
+from align.data import deal
 from align.data.loader import PairShard
 from align.eval.preference import score_blocks, score_pairs
 from align.exit_codes import AlignError
@@ -46,18 +47,7 @@ LOG = stage_logger("ref_cache")
 
 def slice_size(cfg: RefConfig) -> int:
     """Pairs per slice: `ref.slice_pairs` rounded up to whole batches."""
-    return -(-cfg.slice_pairs // cfg.batch_size) * cfg.batch_size
-
-
-def slice_rows(n: int, size: int) -> list[tuple[int, int]]:
-    """[start, stop) of each slice of `size` rows of an n-row shard."""
-    return [(start, min(start + size, n)) for start in range(0, n, size)]
-
-
-def slice_blocks(start: int, stop: int, batch_size: int, forwards: int) -> list[np.ndarray | None]:
-    """The batches of rows [start, stop), then None (padding forwards) up to `forwards`."""
-    blocks = [np.arange(s, min(s + batch_size, stop)) for s in range(start, stop, batch_size)]
-    return blocks + [None] * (forwards - len(blocks))
+    return deal.slice_size(cfg.slice_pairs, cfg.batch_size)
 
 
 def part_problem(
@@ -162,7 +152,7 @@ def precompute_ref_cache(
     model, shard: PairShard, out: Path, key: dict[str, str], cfg: RefConfig, info: DistInfo
 ) -> dict[str, Any]:
     """Score every pair of `shard` into the cache `out`, reusing valid parts; returns figures."""
-    bounds = slice_rows(len(shard), slice_size(cfg))
+    bounds = deal.slice_rows(len(shard), slice_size(cfg))
     parts = parts_dir(out)
     reused, discarded = (
         reusable_parts(parts, bounds, shard.pair_ids, key) if info.is_main else ([], [])
@@ -177,18 +167,15 @@ def precompute_ref_cache(
             f"{len(pending)} to compute on {info.world_size} rank(s)"
         )
     started = time.perf_counter()
-    pad_rows = np.arange(min(cfg.batch_size, len(shard)))
-    rounds = range(0, len(pending), info.world_size)
-    for first in tqdm(rounds, desc=f"ref {out.stem}", mininterval=5, disable=not info.is_main):
-        # One slice per rank per round, and as many forwards on every rank: a sharded
-        # model needs all ranks in each forward.
-        dealt = pending[first : first + info.world_size]
-        forwards = max(-(-(bounds[i][1] - bounds[i][0]) // cfg.batch_size) for i in dealt)
-        index = dealt[info.rank] if info.rank < len(dealt) else None
-        start, stop = bounds[index] if index is not None else (0, 0)
-        blocks = slice_blocks(start, stop, cfg.batch_size, forwards)
+    pad_rows = deal.padding_rows(len(shard), cfg.batch_size)
+    rounds = deal.slice_rounds(bounds, pending, cfg.batch_size, info.rank, info.world_size)
+    total = -(-len(pending) // info.world_size)
+    for index, blocks in tqdm(
+        rounds, desc=f"ref {out.stem}", total=total, mininterval=5, disable=not info.is_main
+    ):
         scored = score_blocks(model, shard, blocks, pad_rows, show=False)
         if index is not None:
+            start, stop = bounds[index]
             logps = [lp for lp in scored if lp is not None]
             chosen = np.concatenate([lp[: len(lp) // 2] for lp in logps]).astype(np.float32)
             rejected = np.concatenate([lp[len(lp) // 2 :] for lp in logps]).astype(np.float32)
@@ -272,7 +259,6 @@ def run_path_bias(
         TrainingPath,
         margin_errors,
         path_bias_figures,
-        sample_rows,
     )
     from align.train.ref_cache import load_ref_cache
 
@@ -282,7 +268,7 @@ def run_path_bias(
         model = load_policy(checkpoint, cfg.model, info, cfg.trainer)
     shard = PairShard(shard_path, cfg.batch.share_prompt)
     ref_chosen, ref_rejected = load_ref_cache(cache, key, shard.pair_ids)
-    rows = sample_rows(len(shard), cfg.path_bias.sample_pairs, cfg.path_bias.seed)
+    rows = deal.sample_rows(len(shard), cfg.path_bias.sample_pairs, cfg.path_bias.seed)
     with meter.phase("evaluate"):
         chosen, rejected = score_pairs(
             model, shard, cfg.batch.micro_batch, info, desc="path bias", rows=rows

@@ -161,7 +161,7 @@ def selection_projection(
     arm_cfgs: list[ArmConfig],
 ) -> dict[str, Any]:
     """One policy is loaded at a time: the largest one's projection is the job's."""
-    shards = [src["path"] for src in passed.sources.values()]
+    shards = {name: src["path"] for name, src in passed.sources.items()}
     seq_len = selection_seq_len(arm_cfgs)
     return max(
         (

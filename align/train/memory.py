@@ -14,16 +14,21 @@ before the stage builds a model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from align.config import ModelConfig, PreflightConfig, RunConfig
-from align.data.shards import RowWidths
+from align.data import deal
+from align.data.shards import RowWidths, pair_row_widths, read_shard
 from align.exit_codes import PreflightRefused
 from align.model.checkpoint_shapes import verified_hf_config, verify_checkpoint
 from align.model.hf_config import MistralConfig, load_hf_config
+from align.paths import SPLITS
 from align.receipts import read_json
 from align.topology import topology
 from align.utils.weights_hash import INDEX_FILE_NAME, SINGLE_FILE_NAME
@@ -171,14 +176,18 @@ def projected_device_phases(shape: JobShape, checkpoint: str | Path) -> dict[str
         largest = config.vocab_size * config.hidden_size * m
         phases["export"] = {**steady, "gathered_tensor": largest}
     if "evaluate" in load.phases:
-        rows, tokens = (shape.eval_rows if load.trains else shape.rows), shape.row_tokens
         policies = 2 if load.second_policy else 1
+        scoring = max(
+            shape.rank_scoring_bytes(
+                lambda rows, tokens: scoring_activation_bytes(config, rows, tokens, c)
+            )
+        )
         phases["evaluate"] = {
             **steady,
             "second_policy": shard * m if load.second_policy else 0.0,
             "gathered_layers": layers,
             "gathered_root": policies * counts["root"] * c,
-            "activations": scoring_activation_bytes(config, rows, tokens, c),
+            "activations": scoring,
             "loss_head": loss_head_bytes(c, config),
             "kv_cache": 0.0 if load.trains else kv_cache_bytes(shape, config),
         }
@@ -308,14 +317,30 @@ class JobShape:
     prompt_tokens: int  # the longest prompt: data.max_prompt_tokens where it is set
     generation_tokens: int  # tokens each of them adds
     preflight: PreflightConfig
+    # Each rank's scoring forwards, (rows, width), as the stage deals them from the pair
+    # shards it reads; empty where they are not known (rows x row_tokens bounds them).
+    scored: tuple[frozenset[tuple[int, int]], ...] = ()
+
+    def rank_scoring_bytes(self, cost: Callable[[int, int], float]) -> list[float]:
+        """Each rank's costliest scoring forward under `cost(rows, tokens)`: of the forwards
+        dealt to it where they are known, else of the bound."""
+        if self.scored:
+            return [max((cost(*f) for f in forwards), default=0.0) for forwards in self.scored]
+        rows = self.eval_rows if STAGE_LOADS[self.stage].trains else self.rows
+        return [cost(rows, self.row_tokens)] * self.world
 
 
 def job_shape(
-    stage: str, cfg: Any, nodes: int = 1, seq_len: int = 0, widths: RowWidths | None = None
+    stage: str,
+    cfg: Any,
+    nodes: int = 1,
+    seq_len: int = 0,
+    widths: RowWidths | None = None,
+    scored: tuple[frozenset[tuple[int, int]], ...] = (),
 ) -> JobShape:
     """The shape of `stage` under its pre-registration (arm, SFT or selection config);
-    `seq_len` for a config that names none (selection scores the arms' rows); `widths` of
-    the pair shards the stage reads, where they exist."""
+    `seq_len` for a config that names none (selection scores the arms' rows); `widths` and
+    `scored` read off the pair shards the stage reads, where they exist (`shards_shape`)."""
     batch = getattr(cfg, "batch", None)
     data = getattr(cfg, "data", None)
     if not seq_len and data is None:
@@ -354,7 +379,73 @@ def job_shape(
         prompt_tokens=getattr(data, "max_prompt_tokens", None) or seq_len,
         generation_tokens=new_tokens,
         preflight=getattr(cfg, "preflight", PreflightConfig()),
+        scored=scored,
     )
+
+
+def shards_shape(
+    stage: str, cfg: Any, nodes: int, seq_len: int, shards: Mapping[str, str | Path]
+) -> JobShape:
+    """`job_shape` with what the pair shards the stage reads tell (`shards` by split for an
+    arm's stages): their longest rows, and each rank's scoring forwards."""
+    widths = RowWidths.of(shards.values())
+    return job_shape(stage, cfg, nodes, seq_len, widths, scoring_forwards(stage, cfg, shards))
+
+
+def scoring_forwards(
+    stage: str, cfg: Any, shards: Mapping[str, str | Path]
+) -> tuple[frozenset[tuple[int, int]], ...]:
+    """Each rank's scoring forwards, (rows, width), as `stage` deals them from its arm's
+    pair shards (align.data.deal): the reference cache scores both splits, the path-bias
+    check its sample of train, DPO's evaluation held; empty for any other stage, or while a
+    split's shard is missing."""
+    if stage not in ("ref_cache", "path_bias", "dpo") or not set(SPLITS) <= shards.keys():
+        return ()
+    world = cfg.batch.world_size
+    if stage == "ref_cache":
+        ref = cfg.ref
+        return tuple(
+            frozenset().union(
+                *(
+                    sliced_forwards(read_shard(shards[split]), ref, ref.share_prompt, rank, world)
+                    for split in SPLITS
+                )
+            )
+            for rank in range(world)
+        )
+    shared = cfg.batch.share_prompt
+    if stage == "path_bias":
+        arrays, size = read_shard(shards["train"]), cfg.batch.micro_batch
+        sample = cfg.path_bias
+        rows = deal.sample_rows(len(arrays["pair_id"]), sample.sample_pairs, sample.seed)
+    else:
+        arrays, size = read_shard(shards["held"]), cfg.eval.batch_size
+        rows = np.arange(len(arrays["pair_id"]))
+    widths, per_item = pair_row_widths(arrays, shared), 1 if shared else 2
+    pad = rows[deal.padding_rows(len(rows), size)]
+
+    def dealt(rank: int) -> list[deal.Block]:
+        return [
+            rows[b] if b is not None else None
+            for b in deal.rank_blocks(len(rows), size, rank, world)
+        ]
+
+    return tuple(
+        frozenset(deal.forward_shapes(widths, dealt(rank), pad, per_item)) for rank in range(world)
+    )
+
+
+def sliced_forwards(
+    arrays: dict[str, np.ndarray], ref: Any, shared: bool, rank: int, world: int
+) -> set[tuple[int, int]]:
+    """One rank's forwards of the reference cache of one split, every slice pending."""
+    n = len(arrays["pair_id"])
+    bounds = deal.slice_rows(n, deal.slice_size(ref.slice_pairs, ref.batch_size))
+    rounds = deal.slice_rounds(bounds, list(range(len(bounds))), ref.batch_size, rank, world)
+    blocks = [block for _, dealt in rounds for block in dealt]
+    widths = pair_row_widths(arrays, shared)
+    pad = deal.padding_rows(n, ref.batch_size)
+    return deal.forward_shapes(widths, blocks, pad, 1 if shared else 2)
 
 
 def selection_seq_len(arm_cfgs: list[Any]) -> int:
@@ -481,8 +572,11 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
             "export_transfer": 2 * world * largest_tensor if on_cpu else 0.0,
             "export_gather_rank0": full_master,
         }
-    rows, tokens = (shape.eval_rows if load.trains else shape.rows), shape.row_tokens
-    scoring = world * cpu_scoring_activations(shape, config, rows, tokens) if on_cpu else 0.0
+    scoring = (
+        sum(shape.rank_scoring_bytes(partial(cpu_scoring_activations, shape, config)))
+        if on_cpu
+        else 0.0
+    )
     kv_cache = world * kv_cache_bytes(shape, config) if on_cpu else 0.0
     if load.second_policy:
         # The SFT policy loads beside the trained one, then both are scored, and a root
@@ -647,17 +741,19 @@ def check_stage_rss(
     stage: str,
     cfg: Any,
     checkpoint: str | Path,
-    shards: Sequence[str | Path] = (),
+    shards: Mapping[str, str | Path] | None = None,
     seq_len: int = 0,
 ) -> dict[str, Any]:
     """The stage's projected RSS (from the checkpoint's verified config and header sizes,
-    and the pair `shards` it reads: their bytes and longest rows) judged against its node
+    and the pair `shards` it reads, by split for an arm's stages: their bytes, longest rows
+    and each rank's scoring forwards) judged against its node
     before any model is built, and under CUDA each GPU's peak against the device: refused
     (exit 6) when over `preflight.host_memory_fraction` of the node or
     `preflight.device_memory_fraction` of the device; the projection with the verdicts
     otherwise."""
-    shard_bytes = sum(Path(path).stat().st_size for path in shards)
-    shape = job_shape(stage, cfg, stage_nodes(stage, cfg), seq_len, RowWidths.of(shards))
+    shards = shards or {}
+    shard_bytes = sum(Path(path).stat().st_size for path in shards.values())
+    shape = shards_shape(stage, cfg, stage_nodes(stage, cfg), seq_len, shards)
     projection = projected_job_rss(shape, checkpoint, shard_bytes)
     fraction = shape.preflight.host_memory_fraction
     projection.update(check_projection(projection, fraction, *node_memory(cfg.run)))

@@ -56,14 +56,6 @@ class TrainingPath:
         return dataclasses.asdict(self)
 
 
-def sample_rows(n: int, sample_pairs: int, seed: int) -> np.ndarray:
-    """The pre-registered sample of pairs, sorted so batches follow shard order."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    return np.sort(rng.choice(n, size=min(n, sample_pairs), replace=False))
-
-
 def margin_errors(
     policy_chosen: np.ndarray,
     policy_rejected: np.ndarray,

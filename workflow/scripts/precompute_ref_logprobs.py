@@ -108,7 +108,7 @@ def main() -> None:
     checkpoint = gates.sft_gate(paths).checkpoint
     entry = gates.manifest_entry(paths, cfg, checkpoint)
     apply_resource_guards(cfg.run, mode, [cfg.run.results_dir])
-    projection = check_stage_rss(mode, cfg, checkpoint, [entry.shards[s] for s in SPLITS])
+    projection = check_stage_rss(mode, cfg, checkpoint, {s: entry.shards[s] for s in SPLITS})
     from align.utils.dist import destroy_distributed
 
     run = measure_path_bias if mode == "path_bias" else build_caches
