@@ -433,6 +433,10 @@ class PreflightConfig:
     # the kernels its first forward loads): 393 MiB measured at 57.7M parameters, 405 at the
     # tiny default (a rank's RSS after loading, less its shard).
     cpu_rank_overhead_mb: float = 410.0
+    # What a rank's runtime holds once it has trained (autograd's engine, the backward and
+    # optimizer kernels it loaded), in the export and evaluation after training: they start
+    # 44 (sft) and 61 (dpo) MiB above their steady terms at 57.7M parameters.
+    post_training_overhead_mb: float = 64.0
     # What a rank of sft, sft_gate or select_arms adds by reading rows in-process (pyarrow and
     # the tokenizer, or the arms' union eval set): their load phases start 59-63 MiB above
     # the built-shard stages' at 57.7M and 258M parameters (the scale rehearsal).
@@ -482,6 +486,7 @@ class PreflightConfig:
                 True,
             ),
             non_negative("cpu_rank_overhead_mb", self.cpu_rank_overhead_mb),
+            non_negative("post_training_overhead_mb", self.post_training_overhead_mb),
             non_negative("row_reader_overhead_mb", self.row_reader_overhead_mb),
             non_negative("cuda_rank_overhead_mb", self.cuda_rank_overhead_mb),
             non_negative("launcher_overhead_mb", self.launcher_overhead_mb),

@@ -345,9 +345,6 @@ def test_every_loss_the_config_accepts_has_a_formula_and_no_other():
 
 def test_the_objective_is_built_from_its_config_section_field_for_field():
     section = DpoConfig(beta=0.3, loss="ipo", rpo_alpha=0.2, length_normalize=True, rdpo_alpha=0.1)
-    assert [f.name for f in dataclasses.fields(DPOObjective)] == [
-        f.name for f in dataclasses.fields(DpoConfig)
-    ]
     assert dataclasses.asdict(DPOObjective.of(section)) == dataclasses.asdict(section)
 
 

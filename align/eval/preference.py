@@ -19,6 +19,7 @@ from align.data.loader import PairShard
 from align.eval.logprobs import sequence_logps
 from align.eval.stats import accuracy_summary
 from align.utils.dist import DistInfo, all_reduce_sum
+from align.utils.heap import release_freed_memory
 
 
 @torch.no_grad()
@@ -38,6 +39,8 @@ def score_blocks(
     forward on every rank alike (a stop check may raise there).
     """
     model.eval()
+    # What a load or an earlier scoring freed goes back to the kernel before these forwards.
+    release_freed_memory()
     out: list[np.ndarray | None] = []
     for block in tqdm(blocks, desc=desc, mininterval=5, disable=not show):
         if between_batches is not None:

@@ -47,11 +47,11 @@ _PAIR_LOSSES: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = 
 }
 
 
-@dataclass(frozen=True)
-class DPOObjective:
-    """A DPO variant and its weights, built from the pre-registration's [dpo] section
-    (`of`); what that section's checks refuse raises here too, so no objective the config
-    would refuse can be built in code.
+@dataclass
+class DPOObjective(DpoConfig):
+    """A DPO variant and its weights: the pre-registration's [dpo] section (`of`), whose
+    fields it inherits, checked on construction, so no objective the config would refuse
+    can be built in code.
 
     `length_normalize` scores per-token mean log-probs instead of sums. IPO scores them
     always: its 1 / (2 beta) target is set on that scale (TRL's IPO, which its authors
@@ -63,15 +63,8 @@ class DPOObjective:
     lengths. Hence the metric's name, `nll/chosen_seq_mean`, not TRL's.
     """
 
-    beta: float
-    loss: str = "sigmoid"
-    label_smoothing: float = 0.0
-    rpo_alpha: float = 0.0
-    length_normalize: bool = False
-    rdpo_alpha: float = 0.0
-
     def __post_init__(self) -> None:
-        failed = [c for c in DpoConfig(**dataclasses.asdict(self)).checks() if not c.holds]
+        failed = [c for c in self.checks() if not c.holds]
         if failed:
             raise ValueError(
                 "; ".join(f"dpo.{c.key} expected {c.expected}, found {c.value!r}" for c in failed)

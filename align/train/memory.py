@@ -563,12 +563,14 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
             "root_gradients": root,
             "activations": world * cpu_training_activations(shape, config) if on_cpu else 0.0,
         }
+    # What the runtime holds once it has trained, in the phases after training.
+    trained = {"post_training": world * shape.preflight.post_training_overhead_mb * MIB}
     if load.exports:
-        # Training leaves the root gathered; the gather moves one full tensor at a time
-        # through every rank (all-gather output and its copy), and rank 0 keeps each.
+        # Backward leaves every parameter resharded; the gather moves one full tensor at a
+        # time through every rank (all-gather output and its copy), and rank 0 keeps each.
         phases["export"] = {
             **common,
-            "gathered_root": root,
+            **trained,
             "export_transfer": 2 * world * largest_tensor if on_cpu else 0.0,
             "export_gather_rank0": full_master,
         }
@@ -583,6 +585,7 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
         # gathered for a forward without backward stays gathered.
         phases["evaluate"] = {
             **common,
+            **trained,
             "second_policy": weights,
             **larger(
                 {"gathered_root": root, **loading},
@@ -593,6 +596,7 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
         # Scoring and generation take turns; the larger of them is the phase's peak.
         phases["evaluate"] = {
             **common,
+            **(trained if load.trains else {}),
             "gathered_root": root,
             "gathered_layers": layers,
             **larger({"activations": scoring}, {"kv_cache": kv_cache}),
