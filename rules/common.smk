@@ -1,7 +1,6 @@
 # Input and resource functions shared by the rules. Paths come from align.paths,
 # the same module the stage scripts use; configs are read with align.config
 # (stdlib only, so this costs milliseconds).
-import functools
 import os
 import shlex
 from pathlib import Path
@@ -10,32 +9,29 @@ from snakemake.exceptions import WorkflowError
 from snakemake.logging import logger
 from snakemake.settings.types import DeploymentMethod
 
-from align.config import ArmConfig, SelectionConfig, SftConfig, load_config
+from align.config import ArmConfig, SelectionConfig, SftConfig
 from align.exit_codes import TRIPWIRE, ConfigError
 from align.topology import Topology, topology
-from align.train.memory import (
-    MemoryVerdict,
-    projected_job_rss,
-    shards_shape,
-    selection_seq_len,
-)
+from align.train.memory import MemoryVerdict, selection_seq_len
 from align.train.probes import ProbeReceipt
 from align.model.checkpoint_files import checkpoint_files, planned_checkpoint_files
 from align.paths import SPLITS, ReportPaths, RunPaths, SelectionPaths
 from align.receipts import read_json
 from align.report.summary import selection_labels
 from align.stages.select import UNION
-from align.train.path_bias import required_forward_impl
+from align.train.path_bias import PathBias
 from align.train.ref_cache import parse_forward_impl, ref_forward_impl
 from align.workflow.commands import image_entry, launch_command, srun_prefix
 from align.workflow.placement import Placement
+from align.workflow.configs import cached_config
 from align.workflow.resources import (
     JobResources,
     capped,
     first_attempt_cap,
+    projected_request_mb,
     wall_seconds,
 )
-from align.workflow.slurm import default_partition, partition_node_memory_mb
+from align.workflow.slurm import default_partition, node_memory
 
 PATHS = RunPaths.of(config["results_dir"])
 # Every arm's paths with the {arm} wildcard in place of its name: the rules' outputs.
@@ -75,29 +71,15 @@ def arm_toml(arm):
 
 
 def arm_cfg(arm):
-    return loaded_cfg(arm_toml(arm), ArmConfig)
+    return cached_config(arm_toml(arm), ArmConfig)
 
 
 def sft_cfg():
-    return loaded_cfg(SFT_TOML, SftConfig)
+    return cached_config(SFT_TOML, SftConfig)
 
 
 def selection_cfg():
-    return loaded_cfg(SELECTION_TOML, SelectionConfig)
-
-
-def loaded_cfg(path, cls):
-    """The pre-registration at `path`, read once per version of the file: the DAG asks for
-    each one on behalf of every job. Callers read it and never change it."""
-    if not Path(path).is_file():
-        return load_config(path, cls).cfg  # raises, naming the file
-    stat = Path(path).stat()
-    return _load_cfg(str(path), cls, stat.st_mtime_ns, stat.st_size)
-
-
-@functools.cache
-def _load_cfg(path, cls, mtime_ns, size):
-    return load_config(path, cls).cfg
+    return cached_config(SELECTION_TOML, SelectionConfig)
 
 
 # The pre-registration a job of each rule runs under, as a function of its wildcards.
@@ -178,7 +160,7 @@ def preregistered_ref_caches(wildcards):
 def caches_in_use(wildcards):
     """The cache the path-bias report demands (the DAG is re-evaluated once it exists)."""
     bias_receipt = checkpoints.path_bias.get(arm=wildcards.arm).output[0]
-    impl = required_forward_impl(read_json(bias_receipt))
+    impl = PathBias.of(read_json(bias_receipt)).required_forward_impl
     return [PATHS.arm(wildcards.arm).ref_cache(impl, split) for split in SPLITS]
 
 
@@ -362,15 +344,7 @@ def node_memory_overrides(wildcards):
         partition = (
             slurm_partition(arm_layout(wildcards)[1] == "cuda") or default_partition()
         )
-        configured = config["slurm_node_memory_mb"]
-        if partition in configured:
-            mb, source = (
-                configured[partition],
-                f"slurm_node_memory_mb[{partition}] (workflow config)",
-            )
-        else:
-            mb = partition_node_memory_mb(partition)
-            source = f"scontrol: smallest RealMemory of partition {partition}"
+        mb, source = node_memory(partition, config["slurm_node_memory_mb"])
     except ConfigError as err:  # scontrol failed: the workflow refuses, naming the key
         raise WorkflowError(str(err)) from err
     return f"--run.node_memory_mb={mb} --run.node_memory_source={shlex.quote(source)}"
@@ -409,17 +383,12 @@ def projected_mem_mb(
     `seq_len()`: the row length of a stage whose config names none."""
 
     def mem_mb(wildcards, attempt):
-        topo, _ = layout(wildcards)
-        found = [
-            c for c in (Path(checkpoint), BASE_MODEL) if (c / "config.json").is_file()
-        ]
-        if not found:
-            return JOB.default_mem_mb(attempt)
-        present = {k: Path(p) for k, p in shards(wildcards).items() if Path(p).is_file()}
-        shard_bytes = sum(p.stat().st_size for p in present.values())
-        shape = shards_shape(stage, cfg(wildcards), topo.nodes, seq_len(), present)
-        projection = projected_job_rss(shape, found[0], shard_bytes)
-        return JOB.rss_mem_mb(projection["node_mb"], attempt)
+        nodes = layout(wildcards)[0].nodes
+        checkpoints = (checkpoint, BASE_MODEL)
+        cfg_now, shards_now = cfg(wildcards), shards(wildcards)
+        return projected_request_mb(
+            JOB, stage, cfg_now, nodes, checkpoints, shards_now, seq_len(), attempt
+        )
 
     return mem_mb
 

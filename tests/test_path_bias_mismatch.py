@@ -33,7 +33,7 @@ from align.losses.dpo import DPOObjective, dpo_objective
 from align.paths import SPLITS, RunPaths
 from align.receipts import load_receipt, read_json
 from align.stages.ref_precompute import precompute_ref_caches, run_path_bias
-from align.train.path_bias import ACCEPT, RECOMPUTE, TrainingPath, required_forward_impl
+from align.train.path_bias import ACCEPT, RECOMPUTE, PathBias, TrainingPath
 from align.train.ref_cache import expected_key, load_ref_cache, read_cache_key
 from align.train.session import load_policy, start_session
 from align.utils.weights_hash import read_safetensors_header
@@ -99,7 +99,7 @@ def test_a_matching_path_is_accepted_and_every_step0_loss_is_ln2(tiny):
     assert figures["training_path"] == TrainingPath.of(cfg).as_dict()
     assert figures["settings"]["tolerance"] == TOLERANCE
     assert figures["cache_forward_impl"] == CACHE_IMPL
-    assert required_forward_impl({"figures": figures}) == CACHE_IMPL
+    assert PathBias.of({"figures": figures}).required_forward_impl == CACHE_IMPL
 
     assert_step0_losses_are_ln2(tiny, cfg)
 
@@ -159,7 +159,7 @@ def test_bfloat16_training_against_a_float32_cache_demands_a_recompute(tiny):
     assert figures["action"] == RECOMPUTE, figures
     print(f"bfloat16 b4 vs cache float32 b16: mean |margin| {figures['mean_abs']:.2e}")
     assert figures["training_forward_impl"] == "sdpa-bf16-b4-padded"
-    assert required_forward_impl({"figures": figures}) == "sdpa-bf16-b4-padded"
+    assert PathBias.of({"figures": figures}).required_forward_impl == "sdpa-bf16-b4-padded"
     # The name comes from what the loaded policy computes in, read back from it.
     precision = figures["precision"]
     assert (precision["compute"], precision["master"]) == ("bfloat16", "float32")

@@ -20,7 +20,7 @@ from conftest import run_snakemake
 from PIL import Image
 
 from align import cli
-from align.paths import ARM_FIGURES, RUN_FIGURES, ReportPaths, RunPaths
+from align.paths import ARM_FIGURES, RUN_FIGURES, SPLITS, ReportPaths, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, write_json_atomic
 from align.report.figures import FIGURE_PIXELS
 from align.report.summary import gather, render_text
@@ -214,6 +214,11 @@ def write_metrics(path: Path, steps: int) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in metrics_rows(steps, 0.1)))
 
 
+def manifest_entry(paths: RunPaths, arm: str) -> dict:
+    shards = {s: {"path": str(paths.arm(arm).shard(s)), "hash": "0" * 64} for s in SPLITS}
+    return {"status": PASSED, "counts": {"train": 48, "held": 12}, "shards": shards}
+
+
 @pytest.fixture
 def results(tmp_path) -> Path:
     """argilla rerun after a tripwire (with a probe), steppairs without tripwire section or
@@ -222,7 +227,7 @@ def results(tmp_path) -> Path:
     checks = {"held_nll": {"value": 0.22, "max": 1.5, "passed": True}}
     gate = {"status": PASSED, "checkpoint": "results/sft/checkpoint", "figures": {"checks": checks}}
     write_json_atomic(paths.sft_gate, gate)
-    write_json_atomic(paths.manifest, {"arms": {arm: {} for arm in ARMS}})
+    write_json_atomic(paths.manifest, {"arms": {arm: manifest_entry(paths, arm) for arm in ARMS}})
     write_arm(paths, "argilla", tripwire=RERUN)
     write_metrics(paths.arm("argilla").metrics, 8)
     write_metrics(paths.arm("argilla").run_dir / "rerun" / "metrics.jsonl", 30)

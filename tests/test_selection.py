@@ -14,6 +14,7 @@ import torch
 from tiny_models import TINY_SIZES
 
 from align.config import GenerationBandConfig, PairedEvalConfig, SelectionConfig, load_config
+from align.data.manifest import Manifest
 from align.eval.generation import generation_prompts
 from align.eval.sanity import GenerationBand
 from align.exit_codes import GATE_REFUSED, ConfigError, GateRefused
@@ -29,6 +30,7 @@ from align.receipts import (
 )
 from align.stages import paired
 from align.stages import select as sel
+from align.stages.arm_result import ArmResult
 
 torch.set_num_threads(1)
 
@@ -205,8 +207,8 @@ def test_arms_are_judged_by_implicit_reward_and_the_sft_policy_by_its_own_prefer
 # --- arm standing ---------------------------------------------------------------------------
 
 
-def arm_result(arm: str, status: str = PASSED, **extra) -> dict:
-    return {"arm": arm, "status": status, "descoped": status == DESCOPED, **extra}
+def arm_result(arm: str, status: str = PASSED, **extra) -> ArmResult:
+    return ArmResult.of({"arm": arm, "status": status, "descoped": status == DESCOPED, **extra})
 
 
 def tripwire(ended: bool, rerun: bool, alarms=("loss_spike",)) -> dict:
@@ -536,7 +538,8 @@ def fabricated_run(tmp_path_factory) -> Path:
     for arm in ARMS:
         shard = paths.arm(arm).shard("held")
         write_shard(work / shard, held_shard(tokenizer, rng, 24), PAIR_FORMAT, arm=arm)
-        arms[arm] = {"shards": {"held": {"path": recorded(shard), "hash": hash_file(work / shard)}}}
+        held = {"path": recorded(shard), "hash": hash_file(work / shard)}
+        arms[arm] = {"status": PASSED, "counts": {"train": 0, "held": 24}, "shards": {"held": held}}
     pins = {"pad_id": tokenizer.pad_id, "eos_id": tokenizer.eos_id, "bos_id": tokenizer.bos_id}
     write_json_atomic(
         work / paths.manifest, {**receipt, "stage": "build_manifest", "arms": arms, "pins": pins}
@@ -699,7 +702,7 @@ def test_a_policy_changed_after_its_arm_result_is_refused_before_torch(fabricate
 
 
 def test_a_named_eval_shard_must_be_a_pair_shard(fabricated_run, tmp_path):
-    manifest = read_json(fabricated_run / "results" / "data" / "manifest.json")
+    manifest = Manifest.read(fabricated_run / "results" / "data" / "manifest.json")
     assert set(sel.eval_set_sources("union", manifest, ARMS)) == set(ARMS)
     not_a_shard = tmp_path / "pairs.safetensors"
     from align.data.shards import write_shard

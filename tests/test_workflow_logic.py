@@ -3,6 +3,7 @@ inside a time limit, Slurm's answers, and the launch command of one and several 
 
 from __future__ import annotations
 
+import functools
 import stat
 
 import pytest
@@ -14,8 +15,15 @@ from align.topology import Topology
 from align.train.probes import ProbeReceipt
 from align.workflow import slurm
 from align.workflow.commands import image_entry, launch_command, srun_prefix
+from align.workflow.configs import cached_config
 from align.workflow.placement import Placement
-from align.workflow.resources import JobResources, capped, first_attempt_cap, wall_seconds
+from align.workflow.resources import (
+    JobResources,
+    capped,
+    first_attempt_cap,
+    projected_request_mb,
+    wall_seconds,
+)
 
 JOB = JobResources.of(
     {
@@ -119,6 +127,48 @@ def test_the_default_partition_and_its_smallest_node_come_from_scontrol(fake_sco
 def test_a_failing_scontrol_is_refused_naming_the_config_key_that_avoids_it(fake_scontrol):
     with pytest.raises(ConfigError, match="set slurm_node_memory_mb in the workflow config"):
         slurm.partition_node_memory_mb("gpu")
+
+
+def test_the_workflow_configs_node_memory_needs_no_scontrol_and_names_its_source(
+    fake_scontrol,
+):
+    assert slurm.node_memory("gpu", {"gpu": 512000}) == (
+        512000,
+        "slurm_node_memory_mb[gpu] (workflow config)",
+    )
+    assert slurm.node_memory("cpu", {"gpu": 512000}) == (
+        32000,
+        "scontrol: smallest RealMemory of partition cpu",
+    )
+
+
+def test_a_job_asks_the_default_until_a_checkpoint_config_sizes_its_projection(tmp_path):
+    from mistral_7b import write_config_only_checkpoint
+
+    from align.config import ArmConfig
+    from align.train.memory import job_shape, projected_job_rss
+
+    cfg, absent = ArmConfig(arm="a"), tmp_path / "sft"
+    shards = {"train": tmp_path / "train.safetensors", "held": tmp_path / "held.safetensors"}
+    request = functools.partial(projected_request_mb, JOB, "dpo", cfg, 1, shards=shards)
+    assert request([absent], seq_len=0, attempt=2) == JOB.default_mem_mb(2)
+    base = write_config_only_checkpoint(tmp_path / "base")
+    node_mb = projected_job_rss(job_shape("dpo", cfg), base, 0)["node_mb"]
+    # The base model stands in for the checkpoint not yet trained; absent shards count nothing.
+    assert request([absent, base], seq_len=0, attempt=2) == JOB.rss_mem_mb(node_mb, 2)
+
+
+def test_a_config_is_loaded_again_only_when_its_file_changes(tmp_path):
+    from align.config import ArmConfig
+
+    toml = tmp_path / "arm.toml"
+    toml.write_text('arm = "a"\n[dpo]\nbeta = 0.1\n')
+    first = cached_config(toml, ArmConfig)
+    assert cached_config(toml, ArmConfig) is first
+    toml.write_text('arm = "a"\n[dpo]\nbeta = 0.25\n')
+    assert cached_config(toml, ArmConfig).dpo.beta == 0.25
+    with pytest.raises(ConfigError, match=r"absent\.toml"):
+        cached_config(tmp_path / "absent.toml", ArmConfig)
 
 
 def test_one_node_launches_without_srun_or_image_entry():

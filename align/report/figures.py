@@ -263,7 +263,7 @@ def held_out_figure(summary: RunSummary) -> Figure:
     ax.axhline(0.5, color=REFERENCE_COLOR, ls=":", label="chance")
     labels, labelled = [], set()
     for i, record in enumerate(summary.arms):
-        held = (record.result or {}).get("figures", {}).get("held_out", {})
+        held = record.result.held_out if record.result else {}
         labels.append(record.arm if held else f"{record.arm}\n({not_measured_label(record)})")
         for j, (key, name) in enumerate(HELD_OUT_KEYS):
             if key in held:

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from align.data.manifest import Manifest
 from align.paths import FIRST_RUN, RERUN, ArmPaths, RunPaths
-from align.stages.select import NOT_RECORDED, arm_standing, tripwire_record
+from align.stages.arm_result import ArmResult
+from align.stages.select import NOT_RECORDED, arm_standing
 
 
 def read_json_if_present(path: Path) -> dict[str, Any] | None:
@@ -43,14 +45,14 @@ class ArmRecord:
     """
 
     arm: str
-    result: dict[str, Any] | None
+    result: ArmResult | None
     metrics: list[dict[str, Any]]
     probe: dict[str, Any] | None
     first_run_metrics: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def tripwire(self) -> dict[str, Any] | None:
-        return tripwire_record(self.result) if self.result else None
+        return self.result.tripwire if self.result else None
 
     @property
     def runs(self) -> list[dict[str, Any]]:
@@ -93,35 +95,33 @@ class ArmRecord:
         """The beta of the policy's run: a rerun's response may have changed it."""
         if self.result is None:
             return None
-        final = self.result.get("figures", {}).get("final_config", {}).get("beta")
+        final = self.result.final_beta
         return final if final is not None else self.first_run_beta
 
     @property
     def first_run_beta(self) -> float | None:
-        if self.result is None:
-            return None
-        return self.result.get("config", {}).get("dpo", {}).get("beta")
+        return self.result.first_run_beta if self.result else None
 
 
 @dataclass
 class RunSummary:
     results_dir: Path
     sft_gate: dict[str, Any] | None
-    manifest: dict[str, Any] | None
+    manifest: Manifest | None
     selection: dict[str, Any] | None
     arms: list[ArmRecord] = field(default_factory=list)
 
 
-def discover_arms(paths: RunPaths, manifest: dict[str, Any] | None) -> list[str]:
+def discover_arms(paths: RunPaths, manifest: Manifest | None) -> list[str]:
     """The manifest's arms in its order, or every results/<arm>/ holding an arm result."""
     if manifest is not None:
-        return list(manifest.get("arms", {}))
+        return list(manifest.arms)
     return sorted(p.parent.name for p in paths.results.glob("*/arm_result.json"))
 
 
 def gather(results_dir: str | Path, arms: Sequence[str] | None = None) -> RunSummary:
     paths = RunPaths.of(results_dir)
-    manifest = read_json_if_present(paths.manifest)
+    manifest = Manifest.read(paths.manifest)
     summary = RunSummary(
         results_dir=paths.results,
         sft_gate=read_json_if_present(paths.sft_gate),
@@ -134,7 +134,7 @@ def gather(results_dir: str | Path, arms: Sequence[str] | None = None) -> RunSum
 
 
 def arm_record(arm_paths: ArmPaths) -> ArmRecord:
-    result = read_json_if_present(arm_paths.arm_result)
+    result = ArmResult.read(arm_paths.arm_result)
     record = ArmRecord(
         arm=arm_paths.arm,
         result=result,
@@ -222,14 +222,14 @@ def arms_section(arms: Sequence[ArmRecord], selection: dict[str, Any] | None) ->
         if record.result is None:
             rows.append([record.arm, NOT_RECORDED, *[""] * (len(headers) - 2)])
             continue
-        held = record.result.get("figures", {}).get("held_out", {})
+        held = record.result.held_out
         last = record.metrics[-1] if record.metrics else {}
         # The selection judges generations too, so its standing is the last word.
         judged = (selection or {}).get("arms", {}).get(record.arm, record.standing)
         rows.append(
             [
                 record.arm,
-                record.result["status"],
+                record.result.status,
                 judged["standing"],
                 str(len(record.metrics)) if record.metrics else NOT_RECORDED,
                 f"{last['loss']:.4f}" if last else NOT_RECORDED,
@@ -309,7 +309,7 @@ def gates_section(arms: Sequence[ArmRecord], selection: dict[str, Any] | None) -
         [record.arm, g["gate"], g["status"], f"{g['ms']:.2f}"]
         for record in arms
         if record.result
-        for g in record.result.get("gates", [])
+        for g in record.result.gates
     ]
     if selection is not None:
         rows += [

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from align.config import ArmConfig, pinned_data_config
+from align.data.manifest import Manifest
 from align.exit_codes import GateRefused, PreflightRefused
 from align.model.checkpoint_files import NotACheckpoint, checkpoint_files
 from align.model.tokenizer_hash import tokenizer_hash
@@ -24,7 +25,7 @@ from align.train.memory import (
     MemoryVerdict,
     check_stage_rss,
 )
-from align.train.path_bias import RECOMPUTE, TrainingPath, required_forward_impl
+from align.train.path_bias import RECOMPUTE, PathBias, TrainingPath
 from align.train.probes import ProbeReceipt
 from align.train.ref_cache import (
     TENSORS_HASH,
@@ -69,16 +70,6 @@ class CacheInUse:
     key: dict[str, str]
 
 
-@dataclass(frozen=True)
-class PathBiasDecision:
-    """The path-bias receipt's decision: the cache kept or recomputed, on which ratio."""
-
-    action: str
-    ratio: float
-    # Every figure as the receipt records them, for the arm result to carry.
-    figures: dict[str, Any]
-
-
 def sft_gate(paths: RunPaths) -> SftPolicy:
     """The SFT quality receipt passed; its checkpoint (the one to use) resolved."""
     receipt = load_receipt(paths.sft_gate, "sft_gate", stage="sft_gate")
@@ -111,13 +102,14 @@ def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> A
     tokenizer hash with that of the SFT checkpoint `checkpoint`, and each shard's hash.
     The entry is returned with its shard paths resolved.
     """
-    manifest = load_receipt(paths.manifest, "manifest", stage="build_manifest")
-    arms = manifest.get("arms", {})
-    if cfg.arm not in arms:
+    manifest = Manifest.of(
+        load_receipt(paths.manifest, "manifest", stage="build_manifest"), paths.manifest
+    )
+    if cfg.arm not in manifest.arms:
         raise GateRefused(
-            "manifest", f"{paths.manifest}: arm {cfg.arm!r} absent (found {sorted(arms)})"
+            "manifest", f"{paths.manifest}: arm {cfg.arm!r} absent (found {sorted(manifest.arms)})"
         )
-    entry = arms[cfg.arm]
+    entry = manifest.arms[cfg.arm]
     where = f"{paths.manifest}: arm {cfg.arm}"
 
     def refuse_unless(thing: str, want: Any, found: Any, remedy: str = "") -> None:
@@ -126,7 +118,7 @@ def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> A
                 "manifest", f"{where} {thing} expected {want!r}, found {found!r}{remedy}"
             )
 
-    toml = entry.get("config_source") or f"config/arms/{cfg.arm}.toml"
+    toml = entry.config_source or f"config/arms/{cfg.arm}.toml"
     count_remedy = (
         f"; `align preregister {toml}` prints the counts this data gives, and with "
         "--write fixes them in the pre-registration"
@@ -137,31 +129,30 @@ def manifest_entry(paths: RunPaths, cfg: ArmConfig, checkpoint: str | Path) -> A
             raise GateRefused(
                 "manifest",
                 f"{where}: data.expected_{split}_pairs is not pre-registered (this build "
-                f"gives {entry['counts'][split]}){count_remedy}",
+                f"gives {entry.counts[split]}){count_remedy}",
             )
         refuse_unless(
             f"{split} pairs (data.expected_{split}_pairs)",
             expected[split],
-            entry["counts"][split],
+            entry.counts[split],
             count_remedy,
         )
     for key in ("format", "seq_len", "truncation", "max_prompt_tokens"):
-        refuse_unless(f"data.{key}", getattr(cfg.data, key), entry.get(key))
-    recorded = _flat(entry.get("data_config", {}), "data.")
+        refuse_unless(f"data.{key}", getattr(cfg.data, key), getattr(entry, key))
+    recorded = _flat(entry.data_config, "data.")
     for key, want in _flat(pinned_data_config(cfg.data), "data.").items():
         refuse_unless(key, want, recorded.get(key, "absent"))
-    pins = manifest.get("pins", {})
     refuse_unless(
         f"tokenizer hash (of the SFT checkpoint {checkpoint})",
         tokenizer_hash(checkpoint),
-        pins.get("tokenizer_hash"),
+        manifest.pins.get("tokenizer_hash"),
     )
     shards = {}
     for split in SPLITS:
-        shard = entry["shards"][split]
-        shards[split] = paths.resolve(shard["path"], "manifest", paths.manifest)
-        verify_hash("manifest", shards[split], shard["hash"])
-    return ArmEntry(entry["status"], entry.get("reason"), dict(entry["counts"]), shards, pins)
+        shard = entry.shards[split]
+        shards[split] = paths.resolve(shard.path, "manifest", paths.manifest)
+        verify_hash("manifest", shards[split], shard.hash)
+    return ArmEntry(entry.status, entry.reason, entry.counts, shards, manifest.pins)
 
 
 def _flat(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -193,7 +184,7 @@ class GateWork(OfArm):
     checkpoint_weights: str = ""
     entry: ArmEntry | None = None
     caches: dict[str, CacheInUse] = field(default_factory=dict)
-    path_bias: PathBiasDecision | None = None
+    path_bias: PathBias | None = None
     projection: MemoryVerdict | None = None
     probe: ProbeReceipt | None = None
 
@@ -273,29 +264,29 @@ def _gate_ref_cache(ctx: GateWork) -> dict[str, Any]:
 
 
 def _gate_path_bias(ctx: GateWork) -> dict[str, Any]:
-    report = load_receipt(ctx.arm.path_bias, "path_bias", stage="path_bias")
-    figures = report["figures"]
+    bias = PathBias.of(load_receipt(ctx.arm.path_bias, "path_bias", stage="path_bias"))
     cache_impl = ctx.caches["train"].key["forward_impl"]
-    if figures["cache_forward_impl"] != cache_impl:
+    if bias.cache_forward_impl != cache_impl:
         raise GateRefused(
             "path_bias",
-            f"{ctx.arm.path_bias}: measured against cache {figures['cache_forward_impl']!r}, expected {cache_impl!r}",
+            f"{ctx.arm.path_bias}: measured against cache {bias.cache_forward_impl!r}, "
+            f"expected {cache_impl!r}",
         )
     require_measured_path(
-        "path_bias", ctx.arm.path_bias, figures.get("training_path"), TrainingPath.of(ctx.cfg)
+        "path_bias", ctx.arm.path_bias, bias.training_path, TrainingPath.of(ctx.cfg)
     )
     settings = dataclasses.asdict(ctx.cfg.path_bias)
-    if figures.get("settings") != settings:
+    if bias.settings != settings:
         raise GateRefused(
             "path_bias",
-            f"{ctx.arm.path_bias}: measured under path_bias settings {figures.get('settings')}, "
+            f"{ctx.arm.path_bias}: measured under path_bias settings {bias.settings}, "
             f"this run pre-registers {settings}",
         )
-    impl = required_forward_impl(report)
-    if figures["action"] == RECOMPUTE:
+    impl = bias.required_forward_impl
+    if bias.action == RECOMPUTE:
         use_caches(ctx, impl, ctx.cfg.model.dtype, "path_bias")
-    ctx.path_bias = PathBiasDecision(figures["action"], figures["ratio"], figures)
-    return {"action": figures["action"], "ratio": round(figures["ratio"], 4), "cache": impl}
+    ctx.path_bias = bias
+    return {"action": bias.action, "ratio": round(bias.ratio, 4), "cache": impl}
 
 
 def require_measured_path(
@@ -444,7 +435,7 @@ class Gated(OfArm):
     checkpoint_weights: str
     entry: ArmEntry
     caches: dict[str, CacheInUse]
-    path_bias: PathBiasDecision
+    path_bias: PathBias
     projection: MemoryVerdict
 
 

@@ -11,17 +11,20 @@ apart and none can be selected. Imports nothing heavy (no torch, no numpy).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from align.config import GenerationBandConfig, SelectionConfig
 from align.constants import SELECTION_RULES as RULES
+from align.data.manifest import Manifest, ShardRecord
 from align.data.shards import PAIR_FORMAT, read_metadata
 from align.eval.sanity import GenerationBand, judge
 from align.exit_codes import ConfigError, GateRefused
 from align.paths import RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, hash_file, load_receipt, verify_hash
+from align.stages.arm_result import ArmResult
 from align.utils.weights_hash import weights_hash
 
 # The SFT policy's name among the scored policies; no arm may take it.
@@ -49,45 +52,46 @@ def check_selection_config(cfg: SelectionConfig, arms: Sequence[str], where: str
         )
 
 
-def manifest_gate(paths: RunPaths, arms: Sequence[str]) -> dict[str, Any]:
-    """The manifest lists every arm and its held-out shards are intact; returned with their paths resolved."""
-    manifest = load_receipt(paths.manifest, "manifest", stage="build_manifest")
-    entries = dict(manifest.get("arms", {}))
+def manifest_gate(paths: RunPaths, arms: Sequence[str]) -> Manifest:
+    """The manifest lists every arm and its held-out shards are intact; returned with their
+    paths resolved."""
+    manifest = Manifest.of(
+        load_receipt(paths.manifest, "manifest", stage="build_manifest"), paths.manifest
+    )
+    entries = dict(manifest.arms)
     for arm in arms:
         if arm not in entries:
             raise GateRefused("manifest", f"{paths.manifest}: arm {arm!r} absent")
-        shards = entries[arm]["shards"]
-        held = paths.resolve(shards["held"]["path"], "manifest", paths.manifest)
-        verify_hash("manifest", held, shards["held"]["hash"])
-        shards = {**shards, "held": {**shards["held"], "path": str(held)}}
-        entries[arm] = {**entries[arm], "shards": shards}
-    return {**manifest, "arms": entries}
+        held = entries[arm].shards["held"]
+        path = paths.resolve(held.path, "manifest", paths.manifest)
+        verify_hash("manifest", path, held.hash)
+        shards = {**entries[arm].shards, "held": ShardRecord(str(path), held.hash)}
+        entries[arm] = dataclasses.replace(entries[arm], shards=shards)
+    return dataclasses.replace(manifest, arms=entries)
 
 
-def arm_result_gate(paths: RunPaths, arm: str, sft_checkpoint: str | Path) -> dict[str, Any]:
+def arm_result_gate(paths: RunPaths, arm: str, sft_checkpoint: str | Path) -> ArmResult:
     """The arm's result, as recorded; a policy it names was trained from the SFT checkpoint
     `sft_checkpoint` (resolved) and is unchanged."""
     path = paths.arm(arm).arm_result
-    result = load_receipt(path, "arm_result", stage="dpo")
-    if result.get("arm") != arm:
-        raise GateRefused(
-            "arm_result", f"{path}: arm expected {arm!r}, found {result.get('arm')!r}"
-        )
-    if "policy" not in result:
-        if result.get("status") == PASSED and not result.get("descoped"):
+    result = ArmResult.of(load_receipt(path, "arm_result", stage="dpo"))
+    if result.arm != arm:
+        raise GateRefused("arm_result", f"{path}: arm expected {arm!r}, found {result.arm!r}")
+    if result.policy is None:
+        if result.status == PASSED and not result.descoped:
             raise GateRefused("arm_result", f"{path}: a PASSED arm result names no policy")
         return result
-    trained_from = paths.resolve(str(result.get("checkpoint")), "arm_result", path)
+    trained_from = paths.resolve(str(result.checkpoint), "arm_result", path)
     if trained_from != Path(sft_checkpoint):
         raise GateRefused(
             "arm_result",
-            f"{path}: trained from {result.get('checkpoint')!r}, expected the SFT gate's "
+            f"{path}: trained from {result.checkpoint!r}, expected the SFT gate's "
             f"checkpoint {str(sft_checkpoint)!r}",
         )
-    recorded = result.get("outputs", {}).get(result["policy"])
+    recorded = result.policy_hash
     if recorded is None:
-        raise GateRefused("arm_result", f"{path}: no weights hash recorded for {result['policy']}")
-    policy = paths.resolve(result["policy"], "arm_result", path)
+        raise GateRefused("arm_result", f"{path}: no weights hash recorded for {result.policy}")
+    policy = paths.resolve(result.policy, "arm_result", path)
     if not policy.is_dir():
         raise GateRefused("arm_result", f"{policy}: policy missing ({path} names it)")
     found = weights_hash(policy)
@@ -99,17 +103,12 @@ def arm_result_gate(paths: RunPaths, arm: str, sft_checkpoint: str | Path) -> di
 
 
 def eval_set_sources(
-    eval_set: str, manifest: Mapping[str, Any], arms: Sequence[str]
+    eval_set: str, manifest: Manifest, arms: Sequence[str]
 ) -> dict[str, dict[str, str]]:
     """The shards the common eval set is built from: every arm's held-out shard, or one named."""
     if eval_set == UNION:
-        return {
-            arm: {
-                "path": manifest["arms"][arm]["shards"]["held"]["path"],
-                "hash": manifest["arms"][arm]["shards"]["held"]["hash"],
-            }
-            for arm in arms
-        }
+        held = {arm: manifest.arms[arm].shards["held"] for arm in arms}
+        return {arm: {"path": shard.path, "hash": shard.hash} for arm, shard in held.items()}
     path = Path(eval_set)
     if not path.is_file():
         raise GateRefused("eval_set", f"{path}: paired.eval_set names no file")
@@ -119,45 +118,38 @@ def eval_set_sources(
     return {str(path): {"path": str(path), "hash": hash_file(path)}}
 
 
-def tripwire_record(result: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The arm's tripwire section, or None when its DPO stage recorded none."""
-    return result.get("tripwire")
-
-
 def fired_wires(tripwire: Mapping[str, Any]) -> list[str]:
     """The names of the signals that fired, over both runs."""
     return sorted({alarm["name"] for alarm in tripwire.get("fired", [])})
 
 
-def arm_standing(result: Mapping[str, Any]) -> dict[str, Any]:
+def arm_standing(result: ArmResult) -> dict[str, Any]:
     """Whether the arm may be selected, and why not: never measured, or measured badly."""
-    tripwire = tripwire_record(result)
+    tripwire = result.tripwire
     alarms = fired_wires(tripwire) if tripwire else []
     base = {
-        "status": result["status"],
+        "status": result.status,
         "tripwire": "recorded" if tripwire else NOT_RECORDED,
         "alarms": alarms,
         "rerun": bool(tripwire.get("rerun")) if tripwire else None,
-        "policy": result.get("policy"),
+        "policy": result.policy,
     }
 
     def standing(kind: str, measured: bool, reason: str) -> dict[str, Any]:
         return {**base, "standing": kind, "measured": measured, "reason": reason}
 
-    why = result.get("reason", "no reason recorded")
-    if result.get("descoped") or result["status"] == DESCOPED:
+    why = result.reason or "no reason recorded"
+    if result.descoped or result.status == DESCOPED:
         return standing(NEVER_MEASURED, False, f"never measured: descoped ({why})")
     if tripwire and tripwire.get("ended_by_tripwire"):
         fired = ", ".join(alarms) or "no alarm named"
         return standing(
             TRIPWIRE_ENDED, True, f"measured badly: training ended by a tripwire ({fired})"
         )
-    if result["status"] == FAILED:
+    if result.status == FAILED:
         return standing(FAILED_ARM, True, f"measured badly: arm result FAILED ({why})")
-    if result["status"] != PASSED:
-        raise GateRefused(
-            "arm_result", f"arm {result.get('arm')}: unknown status {result['status']!r}"
-        )
+    if result.status != PASSED:
+        raise GateRefused("arm_result", f"arm {result.arm}: unknown status {result.status!r}")
     if base["rerun"]:
         return standing(
             ELIGIBLE,

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from align.config import ArmConfig, SelectionConfig, load_config, to_dict
+from align.data.manifest import Manifest
 from align.paths import RunPaths, SelectionPaths
 from align.receipts import FAILED, PASSED, hash_file
 from align.stages import gates
 from align.stages import select as sel
+from align.stages.arm_result import ArmResult
 from align.stages.entry import Stage, parse_stage_args
 from align.train.memory import check_stage_rss, selection_seq_len
 from align.utils.guard import configure_cpu
@@ -85,8 +87,8 @@ class SelectionInputs:
 
     sft_checkpoint: Path
     sft_hash: str
-    manifest: dict[str, Any]
-    results: dict[str, dict[str, Any]]
+    manifest: Manifest
+    results: dict[str, ArmResult]
     sources: dict[str, dict[str, Any]]
     report: gates.GateReport
 
@@ -107,7 +109,7 @@ def selection_gates(cfg: SelectionConfig, paths: RunPaths, arms: list[str]) -> S
         figures=lambda found: {"weights": found[:12]},
     )
     manifest = report.run(
-        "manifest", sel.manifest_gate, paths, arms, figures=lambda m: {"arms": len(m["arms"])}
+        "manifest", sel.manifest_gate, paths, arms, figures=lambda m: {"arms": len(m.arms)}
     )
     results = {
         arm: report.run(
@@ -116,7 +118,7 @@ def selection_gates(cfg: SelectionConfig, paths: RunPaths, arms: list[str]) -> S
             paths,
             arm,
             gate.checkpoint,
-            figures=lambda r: {"status": r["status"]},
+            figures=lambda r: {"status": r.status},
         )
         for arm in arms
     }
@@ -137,7 +139,7 @@ def scored_arms(passed: SelectionInputs, standings: dict[str, dict[str, Any]]) -
     return [
         arm
         for arm, result in passed.results.items()
-        if standings[arm]["measured"] and result.get("policy")
+        if standings[arm]["measured"] and result.policy
     ]
 
 
@@ -146,9 +148,7 @@ def policies_to_score(
 ) -> dict[str, str]:
     """Arms first, so each comparison with the SFT policy reads "arm - sft"."""
     arms = {
-        arm: str(
-            paths.resolve(passed.results[arm]["policy"], "arm_result", paths.arm(arm).arm_result)
-        )
+        arm: str(paths.resolve(passed.results[arm].policy, "arm_result", paths.arm(arm).arm_result))
         for arm in scored
     }
     return {**arms, sel.SFT: str(passed.sft_checkpoint)}
@@ -185,10 +185,7 @@ def selection_inputs(paths: RunPaths, passed: SelectionInputs, scored: list[str]
             recorded(paths.arm(arm).arm_result): hash_file(paths.arm(arm).arm_result)
             for arm in results
         },
-        **{
-            results[arm]["policy"]: results[arm]["outputs"][results[arm]["policy"]]
-            for arm in scored
-        },
+        **{results[arm].policy: results[arm].policy_hash for arm in scored},
     }
 
 
@@ -221,7 +218,7 @@ def run_select_arms(argv: list[str]) -> None:
     projection = selection_projection(cfg, passed, policies, arm_cfgs)
     from align.utils.dist import destroy_distributed
 
-    pins = passed.manifest["pins"]
+    pins = passed.manifest.pins
     figures = score_everything(cfg, paths, passed.sources, pins, policies, projection)
     phases = figures.pop("phases")
     band = sel.generation_band(cfg.generation_band, figures)

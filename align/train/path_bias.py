@@ -96,14 +96,37 @@ def path_bias_figures(
     }
 
 
-def required_forward_impl(report: dict[str, Any]) -> str:
-    """The forward_impl whose cache the DPO stage must train on, per the report."""
-    figures = report["figures"]
-    return (
-        figures["cache_forward_impl"]
-        if figures["action"] == ACCEPT
-        else figures["training_forward_impl"]
-    )
+@dataclass(frozen=True)
+class PathBias:
+    """The path-bias receipt's decision as its readers use it (the gates, the workflow's
+    choice of cache): the cache kept or recomputed, on which ratio, measured against which
+    cache and through which training path; `figures` whole, for the arm result to carry."""
+
+    action: str
+    ratio: float
+    cache_forward_impl: str
+    training_forward_impl: str
+    training_path: dict[str, str] | None
+    settings: dict[str, Any] | None
+    figures: dict[str, Any]
+
+    @classmethod
+    def of(cls, receipt: dict[str, Any]) -> PathBias:
+        figures = receipt["figures"]
+        return cls(
+            action=figures["action"],
+            ratio=figures["ratio"],
+            cache_forward_impl=figures["cache_forward_impl"],
+            training_forward_impl=figures["training_forward_impl"],
+            training_path=figures.get("training_path"),
+            settings=figures.get("settings"),
+            figures=figures,
+        )
+
+    @property
+    def required_forward_impl(self) -> str:
+        """The forward_impl whose cache the DPO stage must train on."""
+        return self.cache_forward_impl if self.action == ACCEPT else self.training_forward_impl
 
 
 def table(figures: dict[str, Any]) -> str:

@@ -6,10 +6,12 @@ for more of what the last attempt may have run out of."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from align.train.memory import projected_job_rss, shards_shape
 from align.train.probes import ProbeReceipt
 
 
@@ -103,3 +105,26 @@ def wall_seconds(runtime_min: int, reserve_s: float, cap: int, time_limited: boo
             f"{reserve_s:.0f} s reserve (job_resources.startup_s + checkpoint_s)"
         )
     return capped(wall, cap)
+
+
+def projected_request_mb(
+    job: JobResources,
+    stage: str,
+    cfg: Any,
+    nodes: int,
+    checkpoints: Sequence[str | Path],
+    shards: Mapping[str, str | Path],
+    seq_len: int,
+    attempt: int,
+) -> int:
+    """A model-loading job's memory request: its stage's projection on its fullest node
+    (align.train.memory) with the margins, sized by the first of `checkpoints` whose config
+    exists, with the pair `shards` that exist (by split for an arm's stages); the default
+    while no checkpoint's config exists."""
+    found = [Path(c) for c in checkpoints if (Path(c) / "config.json").is_file()]
+    if not found:
+        return job.default_mem_mb(attempt)
+    present = {key: Path(p) for key, p in shards.items() if Path(p).is_file()}
+    shape = shards_shape(stage, cfg, nodes, seq_len, present)
+    shard_bytes = sum(p.stat().st_size for p in present.values())
+    return job.rss_mem_mb(projected_job_rss(shape, found[0], shard_bytes)["node_mb"], attempt)

@@ -5,6 +5,7 @@ config gives none."""
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Mapping
 
 from align.exit_codes import ConfigError
 
@@ -50,3 +51,15 @@ def partition_node_memory_mb(partition: str) -> int:
     if not memory:
         raise ConfigError(f"scontrol shows no node memory for partition {partition}")
     return min(memory)
+
+
+def node_memory(partition: str, configured: Mapping[str, int]) -> tuple[int, str]:
+    """The memory (MB) of the partition's nodes a job is judged against, and its source:
+    the workflow config's slurm_node_memory_mb for the partition, else Slurm's record of the
+    partition's smallest node."""
+    if partition in configured:
+        return configured[partition], f"slurm_node_memory_mb[{partition}] (workflow config)"
+    return (
+        partition_node_memory_mb(partition),
+        f"scontrol: smallest RealMemory of partition {partition}",
+    )
