@@ -250,13 +250,57 @@ def report(results: Path, current: bool = False) -> tuple[list[str], int]:
     return lines, outside
 
 
+def figure_cells(results: Path, current: bool) -> dict[tuple[str, str], str]:
+    """Each (job, phase) of a results directory as a table cell: measured / projected = ratio
+    (the host peak; DPO's training wall clock as its own `train wall` row)."""
+    found = receipts(results)
+    if current:
+        with_current_projections(results, found)
+    cells = {}
+    for label, _, receipt in found:
+        for name, phase in receipt["phases"].items():
+            if "projected_host_mb" in phase:
+                cells[(label, name)] = (
+                    f"{phase['host_peak_mb']:,.0f} / {phase['projected_host_mb']:,.0f} = "
+                    f"**{phase['host_ratio']:.2f}**"
+                )
+            if "projected_wall_s" in phase:
+                cells[(label, f"{name} wall")] = (
+                    f"{phase['wall_s']:.0f} s / {phase['projected_wall_s']:.0f} s = "
+                    f"**{phase['wall_ratio']:.2f}**"
+                )
+    return cells
+
+
+def markdown_table(runs: list[Path], current: bool) -> list[str]:
+    """The README's table: one row per job and phase, one column per results directory."""
+    columns = [figure_cells(results, current) for results in runs]
+    rows = sorted({key for cells in columns for key in cells}, key=lambda k: (k[0], k[1]))
+    names = [results.resolve().parent.name for results in runs]
+    lines = [
+        "| stage | phase | " + " | ".join(f"{n}: measured / projected (MiB)" for n in names) + " |",
+        "|---|---|" + "---|" * len(runs),
+    ]
+    for label, phase in rows:
+        cells = [cells.get((label, phase), "(not run)") for cells in columns]
+        lines.append(f"| {label} | {phase} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path, help="results directories of runs")
     parser.add_argument(
         "--current", action="store_true", help="project again with today's memory model"
     )
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the README's table of the runs instead"
+    )
     args = parser.parse_args(argv)
+    missing = [results for results in args.results if not results.is_dir()]
+    if args.markdown and not missing:
+        print("\n".join(markdown_table(args.results, args.current)))
+        return 0
     outside = 0
     for results in args.results:
         if not results.is_dir():

@@ -5,6 +5,7 @@ benchmarks/projections.py reads them all back."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,21 @@ def test_projections_benchmark_reads_back_every_phase(finished_workflow, mode):
         assert f"  {label}  (" in run.stdout, label
     assert run.stdout.count(" MiB = ") >= 2 + 2 + 2 + 2 + 2 * 2 + 2 * 4 + 2
     assert "figure(s) outside the goals" in run.stdout
+
+
+def test_the_projections_table_has_a_row_per_job_and_phase(finished_workflow):
+    """The README's table, from the finished run: each phase measured over projected, DPO's
+    training wall beside the probe's projection."""
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "projections.py"), "--markdown", "results"],
+        cwd=finished_workflow,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr
+    rows = run.stdout.splitlines()
+    assert rows[0].startswith("| stage | phase | ")
+    assert any(row.startswith("| dpo:argilla | train wall | ") for row in rows)
+    for stage, phase in (("sft", "evaluate"), ("ref_cache:steppairs", "evaluate")):
+        row = next(r for r in rows if r.startswith(f"| {stage} | {phase} | "))
+        assert re.search(r"[\d,]+ / [\d,]+ = \*\*\d\.\d\d\*\* \|$", row), row

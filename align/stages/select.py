@@ -6,7 +6,7 @@ as recorded), the standing of each arm, and the pre-registered rule with the rea
 for its decision. A descoped arm was never measured; a tripwire-ended or failed arm
 was measured badly; an arm whose greedy generations leave the pre-registered band
 (align.eval.sanity) is ineligible however well it ranks pairs. They are recorded
-apart and none can be selected. Imports nothing heavy (no torch, no numpy).
+apart and none can be selected. Imports no torch.
 """
 
 from __future__ import annotations
