@@ -272,10 +272,21 @@ def figure_cells(results: Path, current: bool) -> dict[tuple[str, str], str]:
     return cells
 
 
+# The rows in the order the chain runs its jobs, and each job's phases in theirs.
+CHAIN = ("sft", "sft_gate", "ref_cache", "path_bias", "probe", "dpo", "select_arms")
+PHASE_ROWS = ("load", "train", "train wall", "export", "evaluate")
+
+
+def chain_order(row: tuple[str, str]) -> tuple:
+    label, phase = row
+    stage, _, arm = label.partition(":")
+    return (CHAIN.index(stage), arm, PHASE_ROWS.index(phase))
+
+
 def markdown_table(runs: list[Path], current: bool) -> list[str]:
     """The README's table: one row per job and phase, one column per results directory."""
     columns = [figure_cells(results, current) for results in runs]
-    rows = sorted({key for cells in columns for key in cells}, key=lambda k: (k[0], k[1]))
+    rows = sorted({key for cells in columns for key in cells}, key=chain_order)
     names = [results.resolve().parent.name for results in runs]
     lines = [
         "| stage | phase | " + " | ".join(f"{n}: measured / projected (MiB)" for n in names) + " |",

@@ -67,7 +67,7 @@ length_drift = "these tests check the jobs and their stops (the wires: test_trip
 generation = "these tests check the jobs and their stops (the wires: test_tripwire_rerun.py)"
 """
 # One Snakemake run must finish well inside CI's budget; timeout -k makes sure it ends.
-RUN_TIMEOUT_S = 900
+RUN_TIMEOUT_S = 1200
 
 pytestmark = pytest.mark.slow
 
