@@ -18,9 +18,14 @@ import numpy as np
 Block = np.ndarray | None
 
 
+def batches(start: int, stop: int, batch_size: int) -> list[np.ndarray]:
+    """Rows [start, stop) in consecutive blocks of `batch_size` (the last may be short)."""
+    return [np.arange(s, min(s + batch_size, stop)) for s in range(start, stop, batch_size)]
+
+
 def rank_blocks(n: int, batch_size: int, rank: int, world_size: int) -> list[Block]:
     """This rank's blocks of n rows dealt round-robin, padded to every rank's count."""
-    blocks = [np.arange(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
+    blocks = batches(0, n, batch_size)
     rounds = -(-len(blocks) // world_size)
     return [
         blocks[i] if i < len(blocks) else None for i in range(rank, rounds * world_size, world_size)
@@ -44,7 +49,7 @@ def slice_rows(n: int, size: int) -> list[tuple[int, int]]:
 
 def slice_blocks(start: int, stop: int, batch_size: int, forwards: int) -> list[Block]:
     """The batches of rows [start, stop), then None (padding forwards) up to `forwards`."""
-    blocks = [np.arange(s, min(s + batch_size, stop)) for s in range(start, stop, batch_size)]
+    blocks: list[Block] = list(batches(start, stop, batch_size))
     return blocks + [None] * (forwards - len(blocks))
 
 

@@ -403,13 +403,10 @@ def scoring_forwards(
         return ()
     world = cfg.batch.world_size
     if stage == "ref_cache":
-        ref = cfg.ref
+        ref, splits = cfg.ref, [read_shard(shards[split]) for split in SPLITS]
         return tuple(
             frozenset().union(
-                *(
-                    sliced_forwards(read_shard(shards[split]), ref, ref.share_prompt, rank, world)
-                    for split in SPLITS
-                )
+                *(sliced_forwards(arrays, ref, ref.share_prompt, rank, world) for arrays in splits)
             )
             for rank in range(world)
         )
