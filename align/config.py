@@ -437,6 +437,11 @@ class PreflightConfig:
     # optimizer kernels it loaded), in the export and evaluation after training: they start
     # 44 (sft) and 61 (dpo) MiB above their steady terms at 57.7M parameters.
     post_training_overhead_mb: float = 64.0
+    # What glibc's heap keeps beside a rank's scoring forwards (freed tensors under its
+    # moving mmap threshold, reused unevenly by forwards of other shapes): 0-137 MiB over
+    # the same forwards with every tensor returned on free, at 57.7M and 258M parameters
+    # (benchmarks/scoring_heap.py); the rehearsal's scoring phases sit at 0.85-0.97 with it.
+    scoring_heap_overhead_mb: float = 128.0
     # What a rank of sft, sft_gate or select_arms adds by reading rows in-process (pyarrow and
     # the tokenizer, or the arms' union eval set): their load phases start 59-63 MiB above
     # the built-shard stages' at 57.7M and 258M parameters (the scale rehearsal).
@@ -488,6 +493,7 @@ class PreflightConfig:
             non_negative("cpu_rank_overhead_mb", self.cpu_rank_overhead_mb),
             non_negative("post_training_overhead_mb", self.post_training_overhead_mb),
             non_negative("row_reader_overhead_mb", self.row_reader_overhead_mb),
+            non_negative("scoring_heap_overhead_mb", self.scoring_heap_overhead_mb),
             non_negative("cuda_rank_overhead_mb", self.cuda_rank_overhead_mb),
             non_negative("launcher_overhead_mb", self.launcher_overhead_mb),
             Check(

@@ -43,7 +43,6 @@ LOSS_CHUNK = 1024
 # float32 [chunk, vocab] tensors alive at once in the fused head: the logits, and in
 # training their gradient beside them.
 LOSS_HEAD_COPIES = 2
-SCORING_HEAD_COPIES = 1
 # Decoder layers a forward holds gathered in the compute dtype: the one it computes, and the
 # next twice while FSDP prefetches it (the all-gather's output and the parameters it fills).
 # A single rank has nothing to gather: it holds one copy of the layer it computes.
@@ -577,6 +576,9 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
         else 0.0
     )
     kv_cache = world * kv_cache_bytes(shape, config) if on_cpu else 0.0
+    heap = {
+        "scoring_heap": world * shape.preflight.scoring_heap_overhead_mb * MIB if on_cpu else 0.0
+    }
     if load.second_policy:
         # The SFT policy loads beside the trained one, then both are scored, and a root
         # gathered for a forward without backward stays gathered.
@@ -586,7 +588,12 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
             "second_policy": weights,
             **larger(
                 {"gathered_root": root, **loading},
-                {"gathered_root": 2 * root, "gathered_layers": layers, "activations": scoring},
+                {
+                    "gathered_root": 2 * root,
+                    "gathered_layers": layers,
+                    "activations": scoring,
+                    **heap,
+                },
             ),
         }
     elif "evaluate" in load.phases:
@@ -596,7 +603,7 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
             **(trained if load.trains else {}),
             "gathered_root": root,
             "gathered_layers": layers,
-            **larger({"activations": scoring}, {"kv_cache": kv_cache}),
+            **larger({"activations": scoring, **heap}, {"kv_cache": kv_cache}),
         }
     return {name: phases[name] for name in load.phases}
 
@@ -634,26 +641,30 @@ def cpu_training_activations(shape: JobShape, config: MistralConfig) -> float:
 def cpu_scoring_activations(
     shape: JobShape, config: MistralConfig, rows: int, row_tokens: int
 ) -> float:
-    """One rank's scoring forward, and the fused loss head's chunk."""
+    """One rank's scoring forward: the decoder's peak, or, once the layers are done, the
+    residual stream and final norm beside the fused loss head's chunk, whichever is larger."""
     c = DTYPE_BYTES[shape.model.dtype]
-    scoring = scoring_activation_bytes(config, rows, row_tokens, c)
-    return scoring + SCORING_HEAD_COPIES * LOSS_CHUNK * config.vocab_size * 4
+    head = rows * row_tokens * 3 * config.hidden_size * c + LOSS_CHUNK * config.vocab_size * 4
+    return max(scoring_activation_bytes(config, rows, row_tokens, c), head)
 
 
 def scoring_activation_bytes(
     config: MistralConfig, rows: int, length: int, compute_bytes: int
 ) -> float:
-    """A forward without autograd frees each tensor once the next is computed: its peak is
-    the residual stream, its normed copy and the branch output added back to it, the wider
-    of attention's q, k, v and output or one MLP-width tensor, and the mask as a
-    compute-dtype bias with its masked copy. At 57.7M parameters: 12.5 KB per token and 8.6
-    bytes per mask element measured, 12.3 KB and 8 bytes modelled."""
+    """A forward without autograd frees each tensor once the next is computed. Its peak is
+    three residual-width tensors (the stream, its normed copy, the branch input) beside the
+    wider branch: attention's q, k, v, rotated q and k and output with the mask as a
+    compute-dtype bias, or SwiGLU's silu(gate), up and their product; the boolean mask
+    stays throughout. With every tensor returned on free (benchmarks/scoring_heap.py), 8
+    rows of 1024 tokens peak at 201 MiB at 57.7M parameters and 440 MiB at 258M; modelled
+    200 and 440."""
     c = compute_bytes
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    widest = max((2 * q + 2 * kv) * c, config.intermediate_size * c)
-    per_token = 3 * config.hidden_size * c + widest
-    return rows * length * per_token + 2 * rows * length * length * c
+    mask = rows * length * length
+    attention = rows * length * (2 * q + 2 * kv + q) * c + mask * c
+    swiglu = rows * length * 3 * config.intermediate_size * c
+    return rows * length * 3 * config.hidden_size * c + mask + max(attention, swiglu)
 
 
 def kv_cache_bytes(shape: JobShape, config: MistralConfig) -> float:
