@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 from align.constants import (
     ATTENTION_IMPLEMENTATIONS,
     CPU_ISAS,
+    CUDA_BACKWARD_ATTENTION,
     DATA_FORMATS,
     DEVICES,
     DPO_LOSSES,
@@ -758,7 +759,20 @@ class ArmConfig:
             ),
             segment_masked("batch.share_prompt", self.batch.share_prompt, self.model),
             segment_masked("ref.share_prompt", self.ref.share_prompt, self.ref),
+            trains_on_its_device(self.model, self.run),
         ]
+
+
+def trains_on_its_device(model: ModelConfig, run: RunConfig) -> Check:
+    """FlexAttention has a backward on CUDA only: a CPU arm may score with it, not train."""
+    backend = model.attn_implementation
+    return Check(
+        "model.attn_implementation",
+        backend,
+        not (backend in CUDA_BACKWARD_ATTENTION and run.device == "cpu"),
+        f"a backend with a backward on {run.device!r} for training (flex has one on CUDA "
+        "only): 'sdpa' or 'eager' on the CPU; ref.attn_implementation may still be 'flex'",
+    )
 
 
 def segment_masked(key: str, shared: bool, forward: ModelConfig | RefConfig) -> Check:
@@ -838,7 +852,10 @@ class SftConfig:
 
     def checks(self) -> list[Check]:
         shared = self.batch.share_prompt
-        return [Check("batch.share_prompt", shared, not shared, "false (SFT rows are not pairs)")]
+        return [
+            Check("batch.share_prompt", shared, not shared, "false (SFT rows are not pairs)"),
+            trains_on_its_device(self.model, self.run),
+        ]
 
 
 @dataclass

@@ -39,9 +39,21 @@ CPU_ISAS = {
 }
 
 # model/ref.attn_implementation: the backends align.model.attention registers, in its order.
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "triton_fa2")
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "triton_fa2", "flex")
 # The backends whose mask keeps the prefix-shared layout's branches apart (batch.share_prompt).
-SEGMENT_MASK_ATTENTION = ("sdpa", "eager")
+SEGMENT_MASK_ATTENTION = ("sdpa", "eager", "flex")
+# The backends proven by an equivalence gate before they run: the gate's module (its CLI),
+# the source file its receipt is keyed by, and the variable a stage reads its receipt at.
+GATED_ATTENTION = {
+    "triton_fa2": (
+        "align.kernels.equivalence",
+        "align/kernels/flash_attn.py",
+        "ALIGN_KERNEL_RECEIPT",
+    ),
+    "flex": ("align.kernels.flex_gate", "align/kernels/flex.py", "ALIGN_FLEX_RECEIPT"),
+}
+# The backends whose backward runs on CUDA only (torch's FlexAttention): they score on the CPU.
+CUDA_BACKWARD_ATTENTION = ("flex",)
 
 # dpo.loss: the pair losses align.losses.dpo registers, in its order; label smoothing
 # (conservative DPO) applies to SMOOTHABLE_LOSSES only.

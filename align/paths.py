@@ -149,10 +149,10 @@ class RunPaths:
     def selection(self) -> Path:
         return self.results / "selection.json"
 
-    @property
-    def kernel_receipt(self) -> Path:
-        """The triton_fa2 equivalence receipt the kernel_gate rule writes for this run."""
-        return self.results / "kernels" / "triton_fa2.json"
+    def kernel_receipt(self, backend: str) -> Path:
+        """The equivalence receipt of a gated attention backend (constants.GATED_ATTENTION)
+        that the kernel_gate rule writes for this run."""
+        return self.results / "kernels" / f"{backend}.json"
 
     def log(self, rule: str, name: str = "all") -> Path:
         return self.results / "logs" / rule / f"{name}.log"

@@ -10,6 +10,7 @@ from snakemake.logging import logger
 from snakemake.settings.types import DeploymentMethod
 
 from align.config import ArmConfig, SelectionConfig, SftConfig
+from align.constants import GATED_ATTENTION
 from align.exit_codes import TRIPWIRE, ConfigError
 from align.topology import Topology, topology
 from align.train.memory import MemoryVerdict, selection_seq_len
@@ -43,8 +44,6 @@ TINY_TOML = str(Path(workflow.basedir) / config["tiny_config"])
 SELECTION_TOML = str(Path(workflow.basedir) / config["selection_config"])
 REPORT = ReportPaths.of(PATHS)
 TINY_DIR = Path(config["tiny_dir"])
-# The Triton kernel whose equivalence receipt fa2 arms need (rule kernel_gate).
-KERNEL_SOURCE = Path(workflow.basedir) / "align" / "kernels" / "flash_attn.py"
 BASE_MODEL = Path(config["base_model"])
 # What rule tiny_default writes as the embedded default's base model.
 TINY_BASE = TINY_DIR / "base"
@@ -171,18 +170,33 @@ def ref_overrides(wildcards):
     return " ".join(f"--ref.{key}={value}" for key, value in path.items())
 
 
-def uses_fa2(cfg):
-    return "triton_fa2" in (cfg.model.attn_implementation, cfg.ref.attn_implementation)
+def gated_backends(cfg):
+    """The backends of an arm's forwards that must be proven before they run."""
+    used = (cfg.model.attn_implementation, cfg.ref.attn_implementation)
+    return sorted(set(used) & set(GATED_ATTENTION))
 
 
 def kernel_receipts(wildcards):
-    """The kernel's equivalence receipt, for the stages of an arm that runs triton_fa2."""
-    return [PATHS.kernel_receipt] if uses_fa2(arm_cfg(wildcards.arm)) else []
+    """The equivalence receipts of the gated backends an arm's stages run."""
+    return [PATHS.kernel_receipt(b) for b in gated_backends(arm_cfg(wildcards.arm))]
+
+
+# The kernel_gate rule's output wildcard: one of the gated backends.
+KERNEL_GATE_WILDCARD = "{backend," + "|".join(GATED_ATTENTION) + "}"
+
+
+def kernel_gate_source(wildcards):
+    return Path(workflow.basedir) / GATED_ATTENTION[wildcards.backend][1]
 
 
 def kernel_gate_layout(wildcards):
-    """One process on the device of the run's fa2 arms (the CPU only under the interpreter)."""
-    devices = {arm_cfg(arm).run.device for arm in ARMS if uses_fa2(arm_cfg(arm))}
+    """One process on the device of the arms that run the backend (for triton_fa2, the CPU
+    only under the interpreter)."""
+    devices = {
+        arm_cfg(arm).run.device
+        for arm in ARMS
+        if wildcards.backend in gated_backends(arm_cfg(arm))
+    }
     return Topology(nodes=1, per_node=1), ("cuda" if "cuda" in devices else "cpu")
 
 

@@ -1,14 +1,14 @@
 rule kernel_gate:
-    """The triton_fa2 kernel's equivalence gate on the device the arms run on: the receipt
-    (keyed by device model and kernel source) that every fa2 stage of the run reads."""
+    """A gated attention backend's equivalence gate on the device the arms run it on: the
+    receipt (keyed by device model and source) that every stage running it reads."""
     input:
-        source=KERNEL_SOURCE,
+        source=kernel_gate_source,
     output:
-        PATHS.kernel_receipt,
+        PATHS.kernel_receipt(KERNEL_GATE_WILDCARD),
     log:
-        PATHS.log("kernel_gate"),
+        PATHS.log("kernel_gate", "{backend}"),
     benchmark:
-        PATHS.benchmark("kernel_gate")
+        PATHS.benchmark("kernel_gate", "{backend}")
     container:
         CONTAINER
     threads: config["threads"]
@@ -18,5 +18,6 @@ rule kernel_gate:
         runtime=default_runtime,
     params:
         device=lambda wildcards: kernel_gate_layout(wildcards)[1],
+        module=lambda wildcards: GATED_ATTENTION[wildcards.backend][0],
     shell:
-        "python -m align.kernels.equivalence --device={params.device} --out={output} > {log} 2>&1"
+        "python -m {params.module} --device={params.device} --out={output} > {log} 2>&1"

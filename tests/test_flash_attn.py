@@ -36,11 +36,12 @@ import pytest  # noqa: E402
 from tiny_models import tiny_mistral_config  # noqa: E402
 
 from align.kernels import equivalence as eq  # noqa: E402
-from align.kernels import flash_attn  # noqa: E402
+from align.kernels import flash_attn, gate  # noqa: E402
 from align.model import attention as attention_module  # noqa: E402
 from align.model import mistral  # noqa: E402
 from align.model.attention import attention, select_attn_implementation  # noqa: E402
 from align.model.hf_config import MistralConfig  # noqa: E402
+from align.receipts import hash_json, write_json_atomic  # noqa: E402
 
 KERNELS_RUN_HERE = ON_GPU or (not TRITON_WAS_IMPORTED_UNINTERPRETED and flash_attn.INTERPRETED)
 kernel_test = pytest.mark.skipif(
@@ -241,7 +242,7 @@ def test_kernel_gate_passes_the_kernel_and_fails_a_broken_one(monkeypatch):
     key = eq.kernel_key("Fake GPU", "9.0")
     receipt = eq.run_gate(DEVICE, key, TINY_GRID)
     assert receipt["passed"] and len(receipt["results"]) == len(TINY_GRID)
-    assert receipt["receipt_sha256"] == eq.hash_json(
+    assert receipt["receipt_sha256"] == hash_json(
         {name: value for name, value in receipt.items() if name != "receipt_sha256"}
     )
 
@@ -309,13 +310,13 @@ def passing_results(scale: float = 0.5) -> list[dict]:
 
 @pytest.fixture
 def receipts(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv(eq.RECEIPTS_ENV, str(tmp_path))
+    monkeypatch.setenv(gate.RECEIPTS_ENV, str(tmp_path))
     return tmp_path
 
 
 def write_receipt(key: dict[str, str], results: list[dict]) -> Path:
     path = eq.receipt_path(key)
-    eq.write_json_atomic(path, eq.seal_receipt(key, results, seconds=1.0))
+    write_json_atomic(path, eq.seal_receipt(key, results, seconds=1.0))
     return path
 
 
@@ -396,7 +397,7 @@ def test_a_tampered_receipt_is_refused(receipts: Path):
     receipt = eq.seal_receipt(key, passing_results(scale=2.0), seconds=1.0)
     receipt["passed"] = True
     body = {name: value for name, value in receipt.items() if name != "receipt_sha256"}
-    path.write_text(json.dumps({**body, "receipt_sha256": eq.hash_json(body)}))
+    path.write_text(json.dumps({**body, "receipt_sha256": hash_json(body)}))
     with pytest.raises(ValueError, match="verdicts disagree"):
         eq.verify_receipt(path, key)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from align.model.attention import MASKED_DECODING
 from align.model.kv_cache import KVCache
 
 
@@ -54,7 +55,7 @@ def greedy_generate_batch(
     new: list[list[int]] = [[] for _ in rows]
     done = [False] * len(rows)
     cache = None
-    if rows and model.attn_implementation != "triton_fa2":
+    if rows and model.attn_implementation in MASKED_DECODING:
         cache = KVCache(max(map(len, rows)) + max_new_tokens)
     idle = torch.tensor([[pad_id]], dtype=torch.long, device=device)
     for _ in range(max_new_tokens):

@@ -22,9 +22,7 @@ set, else the per-device receipt under $ALIGN_KERNEL_RECEIPTS.
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -34,16 +32,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from align.constants import GATED_ATTENTION
 from align.exit_codes import ConfigError, GateRefused, run_with_exit_codes
-from align.receipts import hash_file, hash_json, now_iso, read_json, write_json_atomic
+from align.kernels import gate
+from align.kernels.gate import GateSpec, relative_error
+from align.receipts import hash_file, write_json_atomic
 
 BACKEND = "triton_fa2"
 KERNEL_SOURCE = Path(__file__).with_name("flash_attn.py")
-RECEIPTS_ENV = "ALIGN_KERNEL_RECEIPTS"
-RECEIPT_ENV = "ALIGN_KERNEL_RECEIPT"
+RECEIPT_ENV = GATED_ATTENTION[BACKEND][2]
 INTERPRETER = "interpreter"
-DEFAULT_RECEIPTS_DIR = Path("~/.cache/align/kernels")
-RECEIPT_SCHEMA = 1
 GATE_COMMAND = "python -m align.kernels.equivalence"
 METRIC = (
     "max|kernel - reference| / max|reference| per tensor (out, dq, dk, dv); reference: "
@@ -156,18 +154,6 @@ def device_key(device: torch.device | str) -> dict[str, str]:
     return kernel_key(torch.cuda.get_device_name(device), f"{major}.{minor}")
 
 
-def receipts_dir() -> Path:
-    """$ALIGN_KERNEL_RECEIPTS, else ~/.cache/align/kernels."""
-    return Path(os.environ.get(RECEIPTS_ENV) or DEFAULT_RECEIPTS_DIR).expanduser()
-
-
-def receipt_path(key: dict[str, str], directory: Path | None = None) -> Path:
-    """One receipt per device, so a receipt from older software there reads as stale."""
-    device = re.sub(r"[^A-Za-z0-9]+", "_", key["device_name"]).strip("_") or "device"
-    capability = key["cuda_capability"].replace(".", "")
-    return (directory or receipts_dir()) / f"{BACKEND}-{device}-sm{capability}.json"
-
-
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -206,13 +192,6 @@ def _forward_backward(
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def relative_error(found: torch.Tensor, reference: torch.Tensor) -> float:
-    """max|found - reference| / max|reference|; absolute when the reference is all zero."""
-    diff = (found.double() - reference.double()).abs().max().item()
-    scale = reference.double().abs().max().item()
-    return diff / scale if scale > 0 else diff
-
-
 def measure_shape(shape: GateShape, device: torch.device, seed: int) -> dict[str, Any]:
     """Errors of the kernel (and, for context, of SDPA in the same dtype) on one shape."""
     from align.kernels.flash_attn import flash_attention  # importing decorates the kernels
@@ -247,40 +226,11 @@ def measure_shape(shape: GateShape, device: torch.device, seed: int) -> dict[str
         "seed": seed,
         "errors": errors,
         "thresholds": thresholds,
-        "passed": _within(errors, thresholds),
+        "passed": gate.within(errors, thresholds),
         "sdpa_same_dtype_errors": {
             name: relative_error(baseline[name], reference[name]) for name in TENSORS
         },
     }
-
-
-def _over_threshold(errors: dict[str, float], thresholds: dict[str, float]) -> list[str]:
-    """The tensors whose error is above its threshold or not finite."""
-    return [
-        name
-        for name in TENSORS
-        if not (math.isfinite(errors[name]) and errors[name] <= thresholds[name])
-    ]
-
-
-def _within(errors: dict[str, float], thresholds: dict[str, float]) -> bool:
-    return not _over_threshold(errors, thresholds)
-
-
-def seal_receipt(key: dict[str, str], results: list[dict[str, Any]], seconds: float) -> dict:
-    """The receipt for per-shape `results` under `key`, with its contents hash."""
-    body = {
-        "schema_version": RECEIPT_SCHEMA,
-        "backend": BACKEND,
-        "key": key,
-        "metric": METRIC,
-        "thresholds": THRESHOLDS,
-        "results": results,
-        "passed": bool(results) and all(result["passed"] for result in results),
-        "seconds": round(seconds, 3),
-        "finished_at": now_iso(),
-    }
-    return {**body, "receipt_sha256": hash_json(body)}
 
 
 def run_gate(
@@ -301,79 +251,32 @@ def run_gate(
     return seal_receipt(key, results, time.perf_counter() - started)
 
 
+SPEC = GateSpec(
+    backend=BACKEND,
+    command=GATE_COMMAND,
+    receipt_env=RECEIPT_ENV,
+    key_components=KEY_COMPONENTS,
+    metric=METRIC,
+    thresholds=THRESHOLDS,
+    grid_for=grid_for,
+)
+
+
+def receipt_path(key: dict[str, str], directory: Path | None = None) -> Path:
+    return gate.receipt_path(SPEC, key, directory)
+
+
+def seal_receipt(key: dict[str, str], results: list[dict[str, Any]], seconds: float) -> dict:
+    return gate.seal_receipt(SPEC, key, results, seconds)
+
+
 def verify_receipt(path: Path, key: dict[str, str]) -> dict[str, Any]:
-    """The receipt at `path` if it is sealed, current for `key` and passed; else ValueError."""
-    rerun = f"run `{GATE_COMMAND}` on this machine to prove the kernel"
-    if not path.is_file():
-        raise ValueError(f"{BACKEND} refused: no equivalence receipt at {path}; {rerun}")
-    try:
-        receipt = read_json(path)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{BACKEND} refused: unreadable receipt {path} ({err}); {rerun}") from err
-    _check_sealed(receipt, path)
-    _check_current(receipt, path, key, rerun)
-    _check_passed(receipt, path)
-    return receipt
-
-
-def _check_sealed(receipt: Any, path: Path) -> None:
-    tampered = f"{BACKEND} refused: receipt {path} is tampered or corrupt"
-    if not isinstance(receipt, dict):
-        raise ValueError(f"{tampered} (not a JSON object)")
-    body = {name: value for name, value in receipt.items() if name != "receipt_sha256"}
-    if receipt.get("receipt_sha256") != hash_json(body):
-        raise ValueError(f"{tampered} (its receipt_sha256 does not match its contents)")
-    try:
-        results = receipt["results"]
-        verdicts = [_within(result["errors"], result["thresholds"]) for result in results]
-        consistent = receipt["passed"] == (bool(results) and all(verdicts)) and all(
-            result["passed"] == verdict for result, verdict in zip(results, verdicts, strict=True)
-        )
-    except (KeyError, TypeError) as err:
-        raise ValueError(f"{tampered} (malformed: {err!r})") from err
-    if not consistent:
-        raise ValueError(f"{tampered} (its verdicts disagree with its own errors and thresholds)")
-
-
-def _check_current(receipt: dict, path: Path, key: dict[str, str], rerun: str) -> None:
-    stale = []
-    if receipt.get("schema_version") != RECEIPT_SCHEMA:
-        stale.append(("receipt schema", RECEIPT_SCHEMA, receipt.get("schema_version")))
-    recorded = receipt.get("key") or {}
-    for component, label in KEY_COMPONENTS.items():
-        if recorded.get(component) != key[component]:
-            stale.append((label, key[component], recorded.get(component)))
-    grid = [shape.as_dict() for shape in grid_for(key)]
-    if [result.get("shape") for result in receipt.get("results", [])] != grid:
-        stale.append(("equivalence grid", f"{len(grid)} pre-registered shapes", "another grid"))
-    if receipt.get("thresholds") != THRESHOLDS:
-        stale.append(("thresholds", THRESHOLDS, receipt.get("thresholds")))
-    if stale:
-        changes = "; ".join(
-            f"{label} is {now!r} but the receipt has {then!r}" for label, now, then in stale
-        )
-        raise ValueError(f"{BACKEND} refused: receipt {path} is stale: {changes}; {rerun}")
-
-
-def _check_passed(receipt: dict, path: Path) -> None:
-    if receipt["passed"]:
-        return
-    failures = [
-        f"{result['shape']}: {name} {result['errors'][name]:.3g} > {result['thresholds'][name]:.3g}"
-        for result in receipt["results"]
-        for name in _over_threshold(result["errors"], result["thresholds"])
-    ]
-    raise ValueError(
-        f"{BACKEND} refused: receipt {path} records a FAILED equivalence run: "
-        + ("; ".join(failures[:3]) or "no shapes measured")
-    )
+    return gate.verify_receipt(SPEC, path, key)
 
 
 def require_proven_kernel(device: torch.device | str) -> dict[str, Any]:
     """The passed, current receipt for the kernel on `device`; ValueError otherwise."""
-    key = device_key(device)
-    given = os.environ.get(RECEIPT_ENV)
-    return verify_receipt(Path(given) if given else receipt_path(key), key)
+    return gate.required_receipt(SPEC, device_key(device))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,11 +3,12 @@
 Every backend computes grouped-query causal attention with the same contract:
 q [B, Hq, T, D], k/v [B, Hkv, T, D], and a boolean mask [B, 1, T, T] (True =
 attend) or None for pure causal attention; with a mask, q may hold fewer positions
-than k/v (a cached decoding step). The exception is "triton_fa2", this
-package's Triton kernel: it takes right-padded key lengths [B] (int32) or None in
-place of the mask, is offered only on CUDA, and only once its equivalence gate
-has a passed receipt for the current kernel, software and device. New backends
-register in `ATTENTION_BACKENDS`.
+than k/v (a cached decoding step). Two backends take another mask and are offered only
+once their equivalence gate has a passed receipt for the current code, software and
+device: "triton_fa2", this package's Triton kernel, takes right-padded key lengths [B]
+(int32) or None and runs on CUDA; "flex", torch's FlexAttention, takes a block mask
+(align.kernels.flex.FlexMask) and runs on CUDA, or on the CPU without gradients. New
+backends register in `ATTENTION_BACKENDS`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from align.kernels import flex_gate
 from align.kernels.contract import check_gqa_shapes
 from align.kernels.equivalence import interpreted, proven_here, require_proven_kernel
+from align.kernels.flex import FlexMask, flex_attention_fn
 
 AttentionFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
@@ -79,11 +82,28 @@ def triton_fa2_attention(
     return flash_attention(q, k, v, seq_lens=key_lengths, causal=True)
 
 
+def flex_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask
+) -> torch.Tensor:
+    """torch's FlexAttention under a block mask, for the dtypes and head dims its gate proves."""
+    dtypes, head_dims = flex_gate.proven_for(q.device)
+    if q.dtype not in dtypes or q.shape[-1] not in head_dims:
+        proven = f"dtypes {sorted(map(str, dtypes))}, head dims {sorted(head_dims)}"
+        raise ValueError(
+            f"attention backend 'flex' is proven on {q.device.type} only for {proven}; "
+            f"got {q.dtype}, head dim {q.shape[-1]}"
+        )
+    return flex_attention_fn(q, k, v, mask)
+
+
 ATTENTION_BACKENDS: dict[str, AttentionFn] = {
     "sdpa": sdpa_attention,
     "eager": eager_attention,
     "triton_fa2": triton_fa2_attention,
+    "flex": flex_attention,
 }
+# The backends that take a boolean mask with fewer queries than keys: a cached decoding step.
+MASKED_DECODING = ("sdpa", "eager")
 
 
 def select_attn_implementation(name: str, device: torch.device | str) -> str:
@@ -100,6 +120,8 @@ def select_attn_implementation(name: str, device: torch.device | str) -> str:
                 f"{fallbacks} for this device"
             )
         require_proven_kernel(device)
+    if name == "flex":
+        flex_gate.require_proven_flex(device)
     return name
 
 
@@ -110,7 +132,7 @@ def attention(
 
     A boolean mask may pair fewer queries with more keys (a cached decoding step); the
     Triton kernel's key lengths may not."""
-    check_gqa_shapes(q, k, v, fewer_queries=mask is not None and impl != "triton_fa2")
+    check_gqa_shapes(q, k, v, fewer_queries=mask is not None and impl in MASKED_DECODING)
     if impl not in ATTENTION_BACKENDS:
         raise _unavailable(impl)
     return ATTENTION_BACKENDS[impl](q, k, v, mask)

@@ -8,7 +8,7 @@ package's own; checkpoint.py maps them to and from HF's.
 Besides plain right-padded rows, forward takes a prefix-shared layout: one row holds
 a shared prefix followed by several branches (e.g. prompt | chosen | rejected), with
 `position_ids` restarting each branch after the prefix and `segment_ids` from which
-`build_segment_mask` keeps every branch blind to the others.
+the mask (align.kernels.segments) keeps every branch blind to the others.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from align.constants import PAD_SEGMENT, PREFIX_SEGMENT
+from align.constants import PAD_SEGMENT
+from align.kernels.flex import build_flex_mask, plain_segments
+from align.kernels.segments import build_segment_mask
 from align.losses.fused import DEFAULT_CHUNK_SIZE, fused_sequence_logps
-from align.model.attention import attention, select_attn_implementation
+from align.model.attention import MASKED_DECODING, attention, select_attn_implementation
 from align.model.hf_config import MistralConfig
 from align.model.kv_cache import KVCache
 
@@ -194,10 +196,10 @@ class NmoMistralForCausalLM(nn.Module):
         return hidden if return_hidden else self.lm_head(hidden)
 
     def _require_cacheable(self, segment_ids: torch.Tensor | None) -> None:
-        if self.attn_implementation == "triton_fa2":
+        if self.attn_implementation not in MASKED_DECODING:
             raise ValueError(
-                "attention backend 'triton_fa2' attends causally over key lengths only, and a "
-                "cached decoding step needs a mask: decode without a cache"
+                f"attention backend {self.attn_implementation!r} takes no boolean mask, and a "
+                "cached decoding step needs one: decode without a cache"
             )
         if segment_ids is not None:
             raise ValueError("the decoding cache takes plain right-padded rows, not segments")
@@ -216,6 +218,26 @@ class NmoMistralForCausalLM(nn.Module):
                 f"position_ids {'set' if position_ids is not None else 'None'}, "
                 f"segment_ids {'set' if segment_ids is not None else 'None'}"
             )
+        if segment_ids is not None:
+            if self.attn_implementation == "triton_fa2":
+                raise ValueError(
+                    "attention backend 'triton_fa2' masks only causally and by key lengths; "
+                    "the prefix-shared layout (segment_ids, batch.share_prompt) needs a "
+                    "segment-aware mask: use 'sdpa', 'eager' or 'flex', or set "
+                    "batch.share_prompt = false"
+                )
+            if attention_mask is not None and not torch.equal(
+                attention_mask.bool(), segment_ids != PAD_SEGMENT
+            ):
+                raise ValueError(
+                    "attention_mask disagrees with segment_ids on which tokens are real"
+                )
+        if self.attn_implementation == "flex":
+            if segment_ids is None:
+                segment_ids, position_ids = plain_segments(
+                    attention_mask, input_ids.shape, input_ids.device
+                )
+            return build_flex_mask(segment_ids, position_ids, self.config.sliding_window)
         if segment_ids is None:
             if self.attn_implementation == "triton_fa2":
                 return build_key_lengths(
@@ -224,16 +246,6 @@ class NmoMistralForCausalLM(nn.Module):
             return build_attention_mask(
                 attention_mask, input_ids.shape, self.config.sliding_window, input_ids.device
             )
-        if self.attn_implementation == "triton_fa2":
-            raise ValueError(
-                "attention backend 'triton_fa2' masks only causally and by key lengths; the "
-                "prefix-shared layout (segment_ids, batch.share_prompt) needs a segment-aware "
-                "mask: use 'sdpa' or 'eager', or set batch.share_prompt = false"
-            )
-        if attention_mask is not None and not torch.equal(
-            attention_mask.bool(), segment_ids != PAD_SEGMENT
-        ):
-            raise ValueError("attention_mask disagrees with segment_ids on which tokens are real")
         return build_segment_mask(segment_ids, position_ids, self.config.sliding_window)
 
     def _label_logps(
@@ -309,34 +321,6 @@ def build_attention_mask(
     # A padded query always sees itself, so no row is fully masked (which would give NaN).
     key_ok = key_is_real[:, None, None, :] | (key == query)
     return allowed & key_ok
-
-
-def build_segment_mask(
-    segment_ids: torch.Tensor, position_ids: torch.Tensor, sliding_window: int | None
-) -> torch.Tensor:
-    """Boolean [B, 1, T, T] mask (True = attend) for prefix-shared rows.
-
-    A query attends to keys at or before it in packed order that are in its own segment
-    or in the prefix, never to padding; with a window, only to keys whose position id is
-    within `sliding_window` of its own. So each branch sees exactly what it would see
-    as its own row after the prefix. A padded query sees only itself.
-    """
-    if segment_ids.dim() != 2 or position_ids.shape != segment_ids.shape:
-        raise ValueError(
-            f"segment_ids and position_ids must both be [B, T], got "
-            f"{tuple(segment_ids.shape)} and {tuple(position_ids.shape)}"
-        )
-    length = segment_ids.shape[1]
-    index = torch.arange(length, device=segment_ids.device)
-    causal = index[None, :] <= index[:, None]
-    query_seg, key_seg = segment_ids[:, :, None], segment_ids[:, None, :]
-    allowed = causal & ((key_seg == query_seg) | (key_seg == PREFIX_SEGMENT))
-    allowed &= (key_seg != PAD_SEGMENT) & (query_seg != PAD_SEGMENT)
-    if sliding_window is not None:
-        allowed &= position_ids[:, :, None] - position_ids[:, None, :] < sliding_window
-    # A padded query always sees itself, so no row is fully masked (which would give NaN).
-    allowed |= index[None, :] == index[:, None]
-    return allowed[:, None]
 
 
 def build_key_lengths(

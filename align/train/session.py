@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 
 from align.config import BatchConfig, ModelConfig, OptimizerConfig, RunConfig, TrainerConfig
+from align.constants import GATED_ATTENTION
 from align.data.loader import BatchSource, PairShard
 from align.data.sampler import StepSampler
 from align.exit_codes import ConfigError
-from align.kernels.equivalence import RECEIPT_ENV
 from align.model.checkpoint import save_hf_state
 from align.model.hf_config import load_hf_config
 from align.paths import RunPaths
@@ -42,7 +42,9 @@ LOG = stage_logger()
 def start_session(run_dir: str | Path, run: RunConfig, batch: BatchConfig | None) -> DistInfo:
     """Join the process group; refuse a launch whose topology or devices are wrong. An
     attention kernel that needs an equivalence receipt reads the one the workflow wrote."""
-    os.environ[RECEIPT_ENV] = str(RunPaths.of(run.results_dir).kernel_receipt)
+    paths = RunPaths.of(run.results_dir)
+    for backend, (_, _, receipt_env) in GATED_ATTENTION.items():
+        os.environ[receipt_env] = str(paths.kernel_receipt(backend))
     info = init_distributed(run_dir, run.device)
     assert_cpu_isa(run.cpu_isa)
     if batch is not None:

@@ -1,0 +1,255 @@
+"""The equivalence gate of the flex attention backend (align.kernels.flex), and its receipts.
+
+`run_gate` compares the backend on seeded random inputs with scaled_dot_product_attention
+in float64 under the dense mask the sdpa backend would be given for the same rows
+(align.kernels.segments), over a pre-registered grid: shared-prompt rows
+(a prefix and two branches whose positions restart), right-padded rows with a single-token
+row, sliding windows, grouped-query heads, widths that end mid-block. It measures the
+output and, where FlexAttention has a backward (CUDA), dq, dk and dv, each by
+max|flex - reference| / max|reference|, and times each shape's compilation. Receipts are
+keyed by this package's flex source, torch and the device (a CPU by its vector ISA, which
+the compiled code is built for), and judged by align.kernels.gate.
+
+CLI: python -m align.kernels.flex_gate [--out PATH] [--device cuda | cpu]
+(exit 0 passed, 3 failed; the receipt is written either way). A stage reads the receipt
+at $ALIGN_FLEX_RECEIPT (the workflow's results/kernels/flex.json) when that is set, else
+the per-device receipt under $ALIGN_KERNEL_RECEIPTS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from align.constants import BRANCH_SEGMENT, GATED_ATTENTION, PAD_SEGMENT, PREFIX_SEGMENT
+from align.exit_codes import ConfigError, GateRefused, run_with_exit_codes
+from align.kernels import flex, gate
+from align.kernels.gate import GateSpec, relative_error
+from align.kernels.segments import build_segment_mask
+from align.receipts import hash_file, write_json_atomic
+
+SOURCE = Path(flex.__file__)
+RECEIPT_ENV = GATED_ATTENTION[flex.BACKEND][2]
+COMMAND = "python -m align.kernels.flex_gate"
+CPU = "cpu"
+METRIC = (
+    "max|flex - reference| / max|reference| per tensor (out; dq, dk, dv where a backward "
+    "runs); reference: scaled_dot_product_attention in float64 on the same rounded inputs "
+    "under the sdpa backend's dense mask for the same rows"
+)
+KEY_COMPONENTS = {
+    "flex_source_sha256": "flex source (sha256 of align/kernels/flex.py)",
+    "torch_version": "torch version",
+    "device_name": "device name",
+    "cuda_capability": "CUDA capability (or the CPU's vector ISA)",
+}
+
+
+@dataclass(frozen=True)
+class FlexShape:
+    """One pre-registered case. Each row is its segments' lengths: one length is a plain
+    row, three are a shared-prompt row (prefix, chosen, rejected); the rest is padding."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    length: int
+    head_dim: int
+    dtype: str
+    rows: tuple[tuple[int, ...], ...]
+    window: int | None
+    backward: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        shape = asdict(self)
+        shape["rows"] = [list(row) for row in self.rows]
+        return shape
+
+
+SHARED_300 = ((120, 90, 80), (200, 50, 40))
+PADDED_129 = ((129,), (1,), (60,))
+# The CPU compiles each shape in about 20 s: three shapes that cover the layouts, in
+# float32, forward only (torch's FlexAttention has no CPU backward).
+CPU_GRID: tuple[FlexShape, ...] = (
+    FlexShape(2, 4, 2, 300, 64, "float32", SHARED_300, 128, False),
+    FlexShape(3, 4, 1, 129, 64, "float32", PADDED_129, None, False),
+    FlexShape(1, 8, 8, 256, 128, "float32", ((256,),), 64, False),
+)
+# On CUDA, forward and backward in bfloat16, up to the 7B head shape at 2048 and 4096.
+CUDA_GRID: tuple[FlexShape, ...] = (
+    FlexShape(2, 8, 2, 300, 64, "bfloat16", SHARED_300, 128, True),
+    FlexShape(3, 4, 1, 129, 64, "bfloat16", PADDED_129, None, True),
+    FlexShape(2, 32, 8, 2048, 128, "bfloat16", ((1200, 500, 348), (1500, 300, 200)), 4096, True),
+    FlexShape(2, 32, 8, 2048, 128, "bfloat16", ((2048,), (1237,)), 4096, True),
+    FlexShape(1, 32, 8, 4096, 128, "bfloat16", ((2500, 900, 696),), 4096, True),
+)
+# float32: 1-3e-7 measured on the CPU shapes, against a masking error of order 1.
+# bfloat16: the triton_fa2 gate's, about 4 roundoffs for the output and 8 for gradients.
+THRESHOLDS: dict[str, dict[str, float]] = {
+    "float32": {"out": 1e-5},
+    "bfloat16": {"out": 1.5e-2, "dq": 3e-2, "dk": 3e-2, "dv": 3e-2},
+}
+
+
+def grid_for(key: dict[str, str]) -> tuple[FlexShape, ...]:
+    """The shapes a receipt under `key` must have measured."""
+    return CPU_GRID if key["cuda_capability"].startswith(CPU) else CUDA_GRID
+
+
+SPEC = GateSpec(
+    backend=flex.BACKEND,
+    command=COMMAND,
+    receipt_env=RECEIPT_ENV,
+    key_components=KEY_COMPONENTS,
+    metric=METRIC,
+    thresholds=THRESHOLDS,
+    grid_for=grid_for,
+)
+
+
+def device_key(device: torch.device | str) -> dict[str, str]:
+    """The receipt key for `device` of this process."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        name = platform.processor() or platform.machine()
+        capability = f"{CPU}-{torch.backends.cpu.get_cpu_capability()}"
+    elif device.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(device)
+        capability = "{}.{}".format(*torch.cuda.get_device_capability(device))
+    else:
+        raise ValueError(
+            f"the {flex.BACKEND} backend runs on CUDA or the CPU, got {device} "
+            f"(CUDA available: {torch.cuda.is_available()})"
+        )
+    return {
+        "flex_source_sha256": hash_file(SOURCE),
+        "torch_version": torch.__version__,
+        "device_name": name,
+        "cuda_capability": capability,
+    }
+
+
+def proven_for(device: torch.device) -> tuple[frozenset[torch.dtype], frozenset[int]]:
+    """The dtypes and head dims the gate proves on a device of `device`'s type."""
+    grid = CPU_GRID if device.type == "cpu" else CUDA_GRID
+    return (
+        frozenset(getattr(torch, shape.dtype) for shape in grid),
+        frozenset(shape.head_dim for shape in grid),
+    )
+
+
+def require_proven_flex(device: torch.device | str) -> dict[str, Any]:
+    """The passed, current receipt for flex on `device`; ValueError otherwise."""
+    return gate.required_receipt(SPEC, device_key(device))
+
+
+def segments_of(shape: FlexShape, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """segment_ids and position_ids [B, T] of the shape's rows, as the data loader lays
+    them out: branches follow the prefix, each with positions from the prefix's end."""
+    segments = torch.full((shape.batch, shape.length), PAD_SEGMENT, dtype=torch.long)
+    positions = torch.zeros((shape.batch, shape.length), dtype=torch.long)
+    for b, row in enumerate(shape.rows):
+        prefix, *branches = row
+        segments[b, :prefix] = PREFIX_SEGMENT
+        positions[b, :prefix] = torch.arange(prefix)
+        start = prefix
+        for index, width in enumerate(branches):
+            segments[b, start : start + width] = BRANCH_SEGMENT + index
+            positions[b, start : start + width] = torch.arange(prefix, prefix + width)
+            start += width
+    return segments.to(device), positions.to(device)
+
+
+def measure_shape(shape: FlexShape, device: torch.device, seed: int) -> dict[str, Any]:
+    """Errors of flex on one shape, against the float64 reference (and, for context,
+    SDPA's in the same dtype), with the seconds of its first, compiling call."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    dtype = getattr(torch, shape.dtype)
+
+    def draw(heads: int) -> torch.Tensor:
+        size = (shape.batch, heads, shape.length, shape.head_dim)
+        return torch.randn(size, generator=generator, device=device).to(dtype)
+
+    inputs = (draw(shape.q_heads), draw(shape.kv_heads), draw(shape.kv_heads))
+    grad_out = draw(shape.q_heads)
+    segment_ids, position_ids = segments_of(shape, device)
+    dense = build_segment_mask(segment_ids, position_ids, shape.window)
+    block = flex.build_flex_mask(segment_ids, position_ids, shape.window)
+    tensors = ("out", "dq", "dk", "dv") if shape.backward else ("out",)
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+
+    def run(attention, compute_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        q, k, v = (x.detach().to(compute_dtype).requires_grad_(shape.backward) for x in inputs)
+        with torch.set_grad_enabled(shape.backward):
+            out = attention(q, k, v)
+        if not shape.backward:
+            return {"out": out}
+        out.backward(grad_out.to(compute_dtype))
+        return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+    reference = run(sdpa, torch.float64)
+    started = time.perf_counter()
+    found = run(lambda q, k, v: flex.flex_attention_fn(q, k, v, block), dtype)
+    first_call_s = time.perf_counter() - started
+    baseline = run(sdpa, dtype)
+    thresholds = THRESHOLDS[shape.dtype]
+    errors = {name: relative_error(found[name], reference[name]) for name in tensors}
+    return {
+        "shape": shape.as_dict(),
+        "seed": seed,
+        "errors": errors,
+        "thresholds": thresholds,
+        "passed": gate.within(errors, thresholds),
+        "sdpa_same_dtype_errors": {
+            name: relative_error(baseline[name], reference[name]) for name in tensors
+        },
+        "first_call_s": round(first_call_s, 3),
+    }
+
+
+def run_gate(
+    device: torch.device | str, key: dict[str, str], grid: Sequence[FlexShape] | None = None
+) -> dict[str, Any]:
+    """Measure every shape of `grid` (the key's grid by default) on `device`; the sealed
+    receipt (not yet written)."""
+    device = torch.device(device)
+    grid = grid_for(key) if grid is None else grid
+    started = time.perf_counter()
+    results = [measure_shape(shape, device, seed) for seed, shape in enumerate(grid)]
+    return gate.seal_receipt(SPEC, key, results, time.perf_counter() - started)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="receipt path (default: the per-device path)")
+    parser.add_argument("--device", default="cuda", help="device to prove (default: cuda)")
+    args = parser.parse_args(argv)
+    try:
+        key = device_key(args.device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    out = args.out or gate.receipt_path(SPEC, key)
+    receipt = run_gate(args.device, key)
+    write_json_atomic(out, receipt)
+    for result in receipt["results"]:
+        errors = " ".join(f"{name}={error:.2e}" for name, error in result["errors"].items())
+        verdict = "ok  " if result["passed"] else "FAIL"
+        print(f"{verdict} {result['shape']} {errors} first call {result['first_call_s']} s")
+    if not receipt["passed"]:
+        raise GateRefused("kernel-equivalence", f"flex failed its equivalence gate; see {out}")
+    print(f"flex passed its equivalence gate; receipt {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    run_with_exit_codes(main, "kernel-equivalence")

@@ -1,0 +1,57 @@
+"""The prefix-shared layout's attention rule, for every backend that takes a mask.
+
+One row holds a shared prefix and its branches (prompt | chosen | rejected), each branch's
+positions restarting after the prefix. A query attends to keys at or before it in the row
+that are in its own segment or in the prefix, never to padding; with a window, only to keys
+whose position is within it of its own. So each branch sees exactly what it would see as
+its own row after the prefix. A padded query sees only itself, so no row is fully masked
+(which would give NaN). `visible` states the rule once: the dense mask of sdpa and eager
+evaluates it on index grids, FlexAttention's mask function on single positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from align.constants import PAD_SEGMENT, PREFIX_SEGMENT
+
+
+def visible(
+    query_segment: torch.Tensor,
+    key_segment: torch.Tensor,
+    query_position: torch.Tensor,
+    key_position: torch.Tensor,
+    query_index: torch.Tensor,
+    key_index: torch.Tensor,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Whether each query attends to each key (broadcast elementwise)."""
+    allowed = (key_index <= query_index) & (
+        (key_segment == query_segment) | (key_segment == PREFIX_SEGMENT)
+    )
+    allowed = allowed & (key_segment != PAD_SEGMENT) & (query_segment != PAD_SEGMENT)
+    if sliding_window is not None:
+        allowed = allowed & (query_position - key_position < sliding_window)
+    return allowed | (query_index == key_index)
+
+
+def build_segment_mask(
+    segment_ids: torch.Tensor, position_ids: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """Boolean [B, 1, T, T] mask (True = attend) of prefix-shared rows [B, T]."""
+    if segment_ids.dim() != 2 or position_ids.shape != segment_ids.shape:
+        raise ValueError(
+            f"segment_ids and position_ids must both be [B, T], got "
+            f"{tuple(segment_ids.shape)} and {tuple(position_ids.shape)}"
+        )
+    index = torch.arange(segment_ids.shape[1], device=segment_ids.device)
+    allowed = visible(
+        segment_ids[:, :, None],
+        segment_ids[:, None, :],
+        position_ids[:, :, None],
+        position_ids[:, None, :],
+        index[:, None],
+        index[None, :],
+        sliding_window,
+    )
+    return allowed[:, None]
