@@ -1,12 +1,22 @@
-"""Forward+backward time and peak memory of triton_fa2 against SDPA's flash and efficient kernels.
+"""Forward+backward time and peak memory of triton_fa2 and flex against SDPA's kernels,
+and of a decoder layer's step in each pair layout.
 
-7B attention shapes (32 query heads, 8 K/V heads, head dim 128, bfloat16, causal, full
-length), one row per shape and backend, with time and memory as ratios to SDPA flash.
+Kernels: 7B attention shapes (32 query heads, 8 K/V heads, head dim 128, bfloat16, causal,
+full length), one row per shape and backend, with time and memory as ratios to SDPA flash.
 A backend that cannot share K/V heads (enable_gqa) is timed with K/V repeated inside
-the timed region, and its row says so. Refuses to run without CUDA: CPU or interpreter
-timings say nothing about the kernel.
+the timed region, and its row says so.
 
-usage: python benchmarks/attention.py [--lengths 2048 4096 8192] [--batches 1 2] [--out PATH]
+Layouts (--layouts): one 7B-shaped decoder layer (align's own, with a small vocabulary so
+that the layer dominates) trains on prompt-heavy pairs (prompt 5/8 of T, chosen 3/8,
+rejected 1/4), each laid out as two right-padded rows [prompt | response] through
+triton_fa2, flex and sdpa, or as one prefix-shared row [prompt | chosen | rejected]
+through flex and sdpa (which takes it as a dense mask). Ratios are to two rows through
+triton_fa2, the production path; the goal for shared rows through flex is <= 0.7.
+
+Refuses to run without CUDA: CPU or interpreter timings say nothing about the kernels.
+
+usage: python benchmarks/attention.py [--lengths 2048 4096 8192] [--batches 1 2]
+       [--layouts [--layout-lengths 2048 4096] [--layout-pairs 2]] [--out PATH]
 """
 
 from __future__ import annotations
@@ -80,11 +90,29 @@ def causal_tflop(batch: int, length: int) -> float:
     return 3.5 * forward / 1e12
 
 
+def flex_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """flex under a full-length causal block mask, built once per shape."""
+    from align.kernels import flex
+
+    batch, length = q.shape[0], q.shape[2]
+    key = (batch, length, q.device)
+    if key not in _FLEX_MASKS:
+        segments, positions = flex.plain_segments(None, torch.Size(key[:2]), q.device)
+        _FLEX_MASKS[key] = flex.build_flex_mask(segments, positions, None)
+    return flex.flex_attention_fn(q, k, v, _FLEX_MASKS[key])
+
+
+_FLEX_MASKS: dict[tuple, object] = {}
+
+
 def candidates(inputs) -> dict[str, tuple[AttentionFn, str]]:
     """Each backend's function and a note; an SDPA backend without GQA gets repeated K/V."""
     from align.kernels.flash_attn import flash_attention
 
-    backends: dict[str, tuple[AttentionFn, str]] = {"triton_fa2": (flash_attention, "")}
+    backends: dict[str, tuple[AttentionFn, str]] = {
+        "triton_fa2": (flash_attention, ""),
+        "flex": (flex_causal, "block mask built once"),
+    }
     for name, backend in SDPA_BACKENDS.items():
         try:
             forward_backward(sdpa_fn(backend, share_kv_heads=True), *inputs)
@@ -130,6 +158,107 @@ def benchmark_shape(batch: int, length: int, warmup: int, iters: int) -> list[di
     return rows
 
 
+# Prompt-heavy pairs, in eighths of T: the prompt, the chosen and the rejected response.
+PROMPT, CHOSEN, REJECTED = 5, 3, 2
+LAYOUT_BASELINE = "two rows, triton_fa2"
+
+
+def layer_model(attn: str) -> torch.nn.Module:
+    """One 7B-shaped decoder layer with a small vocabulary, in bfloat16 on CUDA."""
+    from align.model.hf_config import MistralConfig
+    from align.model.mistral import NmoMistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=1024,
+        hidden_size=Q_HEADS * HEAD_DIM,
+        intermediate_size=14336,
+        num_hidden_layers=1,
+        num_attention_heads=Q_HEADS,
+        num_key_value_heads=KV_HEADS,
+        sliding_window=None,
+    )
+    torch.manual_seed(0)
+    return NmoMistralForCausalLM(config, attn, torch.device("cuda")).to("cuda", torch.bfloat16)
+
+
+def layout_inputs(batch: int, length: int, shared: bool) -> dict[str, torch.Tensor]:
+    """`batch` prompt-heavy pairs as two right-padded rows each, or one shared row each."""
+    prompt, chosen, rejected = (length * part // 8 for part in (PROMPT, CHOSEN, REJECTED))
+    generator = torch.Generator().manual_seed(0)
+    if shared:
+        from align.kernels.flex_gate import FlexShape, segments_of
+
+        width = prompt + chosen + rejected
+        rows = ((prompt, chosen, rejected),) * batch
+        shape = FlexShape(batch, Q_HEADS, KV_HEADS, width, HEAD_DIM, "bfloat16", rows, None, True)
+        segment_ids, position_ids = segments_of(shape, torch.device("cuda"))
+        ids = torch.randint(0, 1024, (batch, width), generator=generator).cuda()
+        return {"input_ids": ids, "segment_ids": segment_ids, "position_ids": position_ids}
+    ids = torch.randint(0, 1024, (2 * batch, prompt + chosen), generator=generator).cuda()
+    mask = torch.ones_like(ids)
+    mask[batch:, prompt + rejected :] = 0  # the rejected rows are shorter
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def layout_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> None:
+    hidden = model(**inputs, return_hidden=True)
+    hidden.float().square().mean().backward()
+
+
+def benchmark_layouts(batch: int, length: int, warmup: int, iters: int) -> list[dict]:
+    cases = {
+        LAYOUT_BASELINE: ("triton_fa2", False),
+        "two rows, flex": ("flex", False),
+        "two rows, sdpa": ("sdpa", False),
+        "shared row, flex": ("flex", True),
+        "shared row, sdpa (dense mask)": ("sdpa", True),
+    }
+    rows = []
+    for name, (attn, shared) in cases.items():
+        model, inputs = layer_model(attn), layout_inputs(batch, length, shared)
+
+        def step(model=model, inputs=inputs):
+            layout_step(model, inputs)
+
+        for _ in range(warmup):
+            step()
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        positions = inputs["input_ids"].numel()
+        rows.append(
+            {
+                "batch": batch,
+                "length": length,
+                "layout": name,
+                "positions": positions,
+                "ms": statistics.median(times),
+            }
+        )
+        del model
+        torch.cuda.empty_cache()
+    baseline = next(row for row in rows if row["layout"] == LAYOUT_BASELINE)
+    for row in rows:
+        row["time_ratio"] = row["ms"] / baseline["ms"]
+    return rows
+
+
+def format_layouts(rows: list[dict]) -> str:
+    header = "| pairs | T | layout | positions | ms step | time / two rows triton_fa2 |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for row in rows:
+        lines.append(
+            f"| {row['batch']} | {row['length']} | {row['layout']} | {row['positions']} | "
+            f"{row['ms']:.2f} | {row['time_ratio']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     header = (
         "| B | T | backend | ms fwd+bwd | TFLOP/s | peak extra MiB | time / flash | "
@@ -151,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--layouts", action="store_true", help="also time the pair layouts")
+    parser.add_argument("--layout-lengths", type=int, nargs="+", default=[2048, 4096])
+    parser.add_argument("--layout-pairs", type=int, default=2, help="pairs per layout step")
     parser.add_argument("--out", type=Path, help="also write the rows and environment as JSON")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -176,9 +308,15 @@ def main(argv: list[str] | None = None) -> int:
             rows += benchmark_shape(batch, length, args.warmup, args.iters)
             torch.cuda.empty_cache()
     print(format_table(rows))
+    layouts = []
+    if args.layouts:
+        for length in args.layout_lengths:
+            layouts += benchmark_layouts(args.layout_pairs, length, args.warmup, args.iters)
+        print(format_layouts(layouts))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"environment": environment, "rows": rows}, indent=2) + "\n")
+        record = {"environment": environment, "rows": rows, "layouts": layouts}
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
 

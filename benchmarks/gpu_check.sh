@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One prepared run for a lent GPU machine, from the repo root: the triton_fa2 equivalence
-# gate, the attention benchmark, the selector on CUDA, tests/test_flash_attn.py on the
+# One prepared run for a lent GPU machine, from the repo root: the triton_fa2 and flex
+# equivalence gates, the attention benchmark (kernels, and a 7B-shaped layer's step in each
+# pair layout at T = 2048 and 4096), the selector on CUDA, tests/test_flash_attn.py on the
 # GPU, and the precision and device-memory checks (bf16 compute over float32 masters, the
 # elements one step at lr 5e-7 moves, projected vs measured memory of a full-width
 # Mistral-7B step with adamw8bit, the fused loss head's memory at T = 4096, and a CUDA
@@ -57,18 +58,20 @@ import torch
 from align.model.attention import attention, select_attn_implementation
 
 assert select_attn_implementation("triton_fa2", "cuda") == "triton_fa2"
+assert select_attn_implementation("flex", "cuda") == "flex"
 q = torch.randn(2, 32, 300, 128, device="cuda", dtype=torch.bfloat16)
 k = torch.randn(2, 8, 300, 128, device="cuda", dtype=torch.bfloat16)
 lengths = torch.tensor([300, 123], device="cuda", dtype=torch.int32)
 out = attention(q, k, k, lengths, "triton_fa2")
 assert out[1, :, 123:].abs().sum().item() == 0
-print("select_attn_implementation('triton_fa2', 'cuda') accepted the receipt; kernel ran")
+print("select_attn_implementation accepted the triton_fa2 and flex receipts; kernel ran")
 PY
 }
 
 step setup setup
 step equivalence $PYTHON -m align.kernels.equivalence
-step benchmark $PYTHON benchmarks/attention.py --out "$OUT/attention_benchmark.json"
+step flex_equivalence $PYTHON -m align.kernels.flex_gate
+step benchmark $PYTHON benchmarks/attention.py --layouts --out "$OUT/attention_benchmark.json"
 step selector selector_on_cuda
 step pytest $PYTHON -m pytest -q -p no:cacheprovider tests/test_flash_attn.py
 step precision_memory $PYTHON benchmarks/gpu_precision_memory.py --out "$OUT/precision_memory.json"
