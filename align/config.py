@@ -319,7 +319,7 @@ class BatchConfig:
     `share_prompt` lays each DPO pair out as one row [prompt | chosen | rejected], so the
     prompt runs once (align.data.loader.collate_shared_prompt); it changes the forward
     path, so it is part of forward_impl ('shared' for 'padded'). Needs an attention
-    backend with a segment-aware mask ('sdpa', 'eager'); SFT refuses it.
+    backend with a segment-aware mask ('sdpa', 'eager', 'flex'); SFT refuses it.
     """
 
     # Ranks (one per GPU on CUDA) that train together.
