@@ -126,7 +126,7 @@ def test_kernel_forward_and_backward_match_sdpa(case, dtype: str):
     thresholds = eq.THRESHOLDS.get(dtype) or dict.fromkeys(eq.TENSORS, FLOAT32_TOLERANCE)
     for name, got, want in zip(eq.TENSORS, found, expected, strict=True):
         assert got.dtype == compute and got.shape == want.shape
-        error = eq.relative_error(got, want)
+        error = gate.relative_error(got, want)
         assert error <= thresholds[name], f"{name}: relative error {error:.3g}"
     out, dq, dk, dv = found
     padding = torch.arange(length, device=DEVICE)[None, :] >= lengths[:, None]
@@ -150,7 +150,7 @@ def test_kernel_reads_strided_views_and_defaults_to_full_length():
     )
     assert torch.equal(strided, contiguous)
     expected = eq.reference_attention(q_view.double(), k_view.double(), v_view.double(), full)
-    assert eq.relative_error(strided, expected) <= FLOAT32_TOLERANCE
+    assert gate.relative_error(strided, expected) <= FLOAT32_TOLERANCE
 
 
 @kernel_test
@@ -222,9 +222,9 @@ def test_kernel_model_path_matches_sdpa_on_real_tokens(monkeypatch):
         model_logits[real].square().mean().backward()
         logits.append(model_logits.detach()[real])
         grads.append({name: p.grad for name, p in model.named_parameters()})
-    assert eq.relative_error(logits[1], logits[0]) <= 1e-5
+    assert gate.relative_error(logits[1], logits[0]) <= 1e-5
     for name, grad in grads[1].items():
-        assert eq.relative_error(grad, grads[0][name]) <= 1e-4, name
+        assert gate.relative_error(grad, grads[0][name]) <= 1e-4, name
 
     windowed = mistral.NmoMistralForCausalLM(tiny_config(sliding_window=8), "triton_fa2").to(DEVICE)
     with pytest.raises(ValueError, match="sliding window"):

@@ -21,9 +21,7 @@ set, else the per-device receipt under $ALIGN_KERNEL_RECEIPTS.
 
 from __future__ import annotations
 
-import argparse
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,10 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from align.constants import GATED_ATTENTION
-from align.exit_codes import ConfigError, GateRefused, run_with_exit_codes
+from align.exit_codes import run_with_exit_codes
 from align.kernels import gate
-from align.kernels.gate import GateSpec, relative_error
-from align.receipts import hash_file, write_json_atomic
+from align.kernels.gate import GateSpec
+from align.receipts import hash_file
 
 BACKEND = "triton_fa2"
 KERNEL_SOURCE = Path(__file__).with_name("flash_attn.py")
@@ -217,38 +215,8 @@ def measure_shape(shape: GateShape, device: torch.device, seed: int) -> dict[str
         )
 
     reference = run(reference_attention, torch.float64)
-    found = run(kernel, dtype)
-    baseline = run(reference_attention, dtype)
-    thresholds = THRESHOLDS[shape.dtype]
-    errors = {name: relative_error(found[name], reference[name]) for name in TENSORS}
-    return {
-        "shape": shape.as_dict(),
-        "seed": seed,
-        "errors": errors,
-        "thresholds": thresholds,
-        "passed": gate.within(errors, thresholds),
-        "sdpa_same_dtype_errors": {
-            name: relative_error(baseline[name], reference[name]) for name in TENSORS
-        },
-    }
-
-
-def run_gate(
-    device: torch.device | str,
-    key: dict[str, str],
-    grid: Sequence[GateShape] | None = None,
-) -> dict[str, Any]:
-    """Measure every shape of `grid` (the key's grid by default) on `device`; the sealed
-    receipt (not yet written)."""
-    device = torch.device(device)
-    grid = grid_for(key) if grid is None else grid
-    started = time.perf_counter()
-    results = []
-    for seed, shape in enumerate(grid):
-        results.append(measure_shape(shape, device, seed))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the float64 references of the long shapes are GBs
-    return seal_receipt(key, results, time.perf_counter() - started)
+    found, baseline = run(kernel, dtype), run(reference_attention, dtype)
+    return gate.shape_result(shape, seed, THRESHOLDS[shape.dtype], found, reference, baseline)
 
 
 SPEC = GateSpec(
@@ -260,6 +228,13 @@ SPEC = GateSpec(
     thresholds=THRESHOLDS,
     grid_for=grid_for,
 )
+
+
+def run_gate(
+    device: torch.device | str, key: dict[str, str], grid: Sequence[GateShape] | None = None
+) -> dict[str, Any]:
+    """Measure every shape of `grid` (the key's grid by default) on `device`."""
+    return gate.run_gate(SPEC, device, key, measure_shape, grid)
 
 
 def receipt_path(key: dict[str, str], directory: Path | None = None) -> Path:
@@ -280,24 +255,8 @@ def require_proven_kernel(device: torch.device | str) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=GATE_COMMAND, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="receipt path (default: the per-device path)")
-    parser.add_argument("--device", default="cuda", help="CUDA device to prove (default: cuda)")
-    args = parser.parse_args(argv)
-    try:
-        key = device_key(args.device)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-    out = args.out or receipt_path(key)
-    receipt = run_gate(args.device, key)
-    write_json_atomic(out, receipt)
-    for result in receipt["results"]:
-        errors = " ".join(f"{name}={result['errors'][name]:.2e}" for name in TENSORS)
-        print(f"{'ok  ' if result['passed'] else 'FAIL'} {result['shape']} {errors}")
-    if not receipt["passed"]:
-        raise GateRefused("kernel-equivalence", f"{BACKEND} failed its equivalence gate; see {out}")
-    print(f"{BACKEND} passed its equivalence gate; receipt {out}")
-    return 0
+    description = __doc__.split("\n\n")[0]
+    return gate.main(SPEC, argv, device_key, measure_shape, description)
 
 
 if __name__ == "__main__":

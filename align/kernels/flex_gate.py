@@ -18,7 +18,6 @@ the per-device receipt under $ALIGN_KERNEL_RECEIPTS.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import time
 from collections.abc import Sequence
@@ -30,11 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from align.constants import BRANCH_SEGMENT, GATED_ATTENTION, PAD_SEGMENT, PREFIX_SEGMENT
-from align.exit_codes import ConfigError, GateRefused, run_with_exit_codes
+from align.exit_codes import run_with_exit_codes
 from align.kernels import flex, gate
-from align.kernels.gate import GateSpec, relative_error
+from align.kernels.gate import GateSpec
 from align.kernels.segments import build_segment_mask
-from align.receipts import hash_file, write_json_atomic
+from align.receipts import hash_file
 
 SOURCE = Path(flex.__file__)
 RECEIPT_ENV = GATED_ATTENTION[flex.BACKEND][2]
@@ -183,7 +182,6 @@ def measure_shape(shape: FlexShape, device: torch.device, seed: int) -> dict[str
     segment_ids, position_ids = segments_of(shape, device)
     dense = build_segment_mask(segment_ids, position_ids, shape.window)
     block = flex.build_flex_mask(segment_ids, position_ids, shape.window)
-    tensors = ("out", "dq", "dk", "dv") if shape.backward else ("out",)
 
     def sdpa(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
@@ -202,53 +200,19 @@ def measure_shape(shape: FlexShape, device: torch.device, seed: int) -> dict[str
     found = run(lambda q, k, v: flex.flex_attention_fn(q, k, v, block), dtype)
     first_call_s = time.perf_counter() - started
     baseline = run(sdpa, dtype)
-    thresholds = THRESHOLDS[shape.dtype]
-    errors = {name: relative_error(found[name], reference[name]) for name in tensors}
-    return {
-        "shape": shape.as_dict(),
-        "seed": seed,
-        "errors": errors,
-        "thresholds": thresholds,
-        "passed": gate.within(errors, thresholds),
-        "sdpa_same_dtype_errors": {
-            name: relative_error(baseline[name], reference[name]) for name in tensors
-        },
-        "first_call_s": round(first_call_s, 3),
-    }
+    result = gate.shape_result(shape, seed, THRESHOLDS[shape.dtype], found, reference, baseline)
+    return {**result, "first_call_s": round(first_call_s, 3)}
 
 
 def run_gate(
     device: torch.device | str, key: dict[str, str], grid: Sequence[FlexShape] | None = None
 ) -> dict[str, Any]:
-    """Measure every shape of `grid` (the key's grid by default) on `device`; the sealed
-    receipt (not yet written)."""
-    device = torch.device(device)
-    grid = grid_for(key) if grid is None else grid
-    started = time.perf_counter()
-    results = [measure_shape(shape, device, seed) for seed, shape in enumerate(grid)]
-    return gate.seal_receipt(SPEC, key, results, time.perf_counter() - started)
+    """Measure every shape of `grid` (the key's grid by default) on `device`."""
+    return gate.run_gate(SPEC, device, key, measure_shape, grid)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help="receipt path (default: the per-device path)")
-    parser.add_argument("--device", default="cuda", help="device to prove (default: cuda)")
-    args = parser.parse_args(argv)
-    try:
-        key = device_key(args.device)
-    except ValueError as err:
-        raise ConfigError(str(err)) from err
-    out = args.out or gate.receipt_path(SPEC, key)
-    receipt = run_gate(args.device, key)
-    write_json_atomic(out, receipt)
-    for result in receipt["results"]:
-        errors = " ".join(f"{name}={error:.2e}" for name, error in result["errors"].items())
-        verdict = "ok  " if result["passed"] else "FAIL"
-        print(f"{verdict} {result['shape']} {errors} first call {result['first_call_s']} s")
-    if not receipt["passed"]:
-        raise GateRefused("kernel-equivalence", f"flex failed its equivalence gate; see {out}")
-    print(f"flex passed its equivalence gate; receipt {out}")
-    return 0
+    return gate.main(SPEC, argv, device_key, measure_shape, __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

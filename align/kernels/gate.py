@@ -10,9 +10,11 @@ the attention selector asks it before the backend may run. The triton_fa2 kernel
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,8 @@ from typing import Any
 
 import torch
 
-from align.receipts import hash_json, now_iso, read_json
+from align.exit_codes import ConfigError, GateRefused
+from align.receipts import hash_json, now_iso, read_json, write_json_atomic
 
 RECEIPTS_ENV = "ALIGN_KERNEL_RECEIPTS"
 DEFAULT_RECEIPTS_DIR = Path("~/.cache/align/kernels")
@@ -62,6 +65,84 @@ def over_threshold(errors: dict[str, float], thresholds: dict[str, float]) -> li
 
 def within(errors: dict[str, float], thresholds: dict[str, float]) -> bool:
     return not over_threshold(errors, thresholds)
+
+
+def shape_result(
+    shape: Any,
+    seed: int,
+    thresholds: dict[str, float],
+    found: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    baseline: dict[str, torch.Tensor],
+) -> dict[str, Any]:
+    """One shape's entry of a receipt: each tensor's error against the float64 reference,
+    the verdict, and for context SDPA's own error in the backend's dtype."""
+    errors = {name: relative_error(found[name], reference[name]) for name in found}
+    return {
+        "shape": shape.as_dict(),
+        "seed": seed,
+        "errors": errors,
+        "thresholds": thresholds,
+        "passed": within(errors, thresholds),
+        "sdpa_same_dtype_errors": {
+            name: relative_error(baseline[name], reference[name]) for name in found
+        },
+    }
+
+
+Measure = Callable[[Any, torch.device, int], dict[str, Any]]
+
+
+def run_gate(
+    spec: GateSpec,
+    device: torch.device | str,
+    key: dict[str, str],
+    measure: Measure,
+    grid: Sequence[Any] | None = None,
+) -> dict[str, Any]:
+    """`measure(shape, device, seed)` every shape of `grid` (the key's grid by default); the
+    sealed receipt (not yet written)."""
+    device = torch.device(device)
+    grid = spec.grid_for(key) if grid is None else grid
+    started = time.perf_counter()
+    results = []
+    for seed, shape in enumerate(grid):
+        results.append(measure(shape, device, seed))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the float64 references of the long shapes are GBs
+    return seal_receipt(spec, key, results, time.perf_counter() - started)
+
+
+def main(
+    spec: GateSpec,
+    argv: Sequence[str] | None,
+    device_key: Callable[[str], dict[str, str]],
+    measure: Measure,
+    description: str,
+) -> int:
+    """The gate's CLI: prove the backend on --device, write the receipt either way, and
+    exit 3 (GateRefused) when it failed."""
+    parser = argparse.ArgumentParser(prog=spec.command, description=description)
+    parser.add_argument("--out", type=Path, help="receipt path (default: the per-device path)")
+    parser.add_argument("--device", default="cuda", help="device to prove (default: cuda)")
+    args = parser.parse_args(argv)
+    try:
+        key = device_key(args.device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    out = args.out or receipt_path(spec, key)
+    receipt = run_gate(spec, args.device, key, measure)
+    write_json_atomic(out, receipt)
+    for result in receipt["results"]:
+        errors = " ".join(f"{name}={error:.2e}" for name, error in result["errors"].items())
+        first_call = f" first call {result['first_call_s']} s" if "first_call_s" in result else ""
+        print(f"{'ok  ' if result['passed'] else 'FAIL'} {result['shape']} {errors}{first_call}")
+    if not receipt["passed"]:
+        raise GateRefused(
+            "kernel-equivalence", f"{spec.backend} failed its equivalence gate; see {out}"
+        )
+    print(f"{spec.backend} passed its equivalence gate; receipt {out}")
+    return 0
 
 
 def receipts_dir() -> Path:
