@@ -194,15 +194,8 @@ def measure_shape(shape: GateShape, device: torch.device, seed: int) -> dict[str
     """Errors of the kernel (and, for context, of SDPA in the same dtype) on one shape."""
     from align.kernels.flash_attn import flash_attention  # importing decorates the kernels
 
-    generator = torch.Generator(device=device).manual_seed(seed)
     dtype = getattr(torch, shape.dtype)
-
-    def draw(heads: int) -> torch.Tensor:
-        size = (shape.batch, heads, shape.length, shape.head_dim)
-        return torch.randn(size, generator=generator, device=device).to(dtype)
-
-    inputs = (draw(shape.q_heads), draw(shape.kv_heads), draw(shape.kv_heads))
-    grad_out = draw(shape.q_heads)
+    *inputs, grad_out = gate.draw_inputs(shape, device, seed)
     lengths = shape.seq_lens or (shape.length,) * shape.batch
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
 

@@ -170,15 +170,8 @@ def segments_of(shape: FlexShape, device: torch.device) -> tuple[torch.Tensor, t
 def measure_shape(shape: FlexShape, device: torch.device, seed: int) -> dict[str, Any]:
     """Errors of flex on one shape, against the float64 reference (and, for context,
     SDPA's in the same dtype), with the seconds of its first, compiling call."""
-    generator = torch.Generator(device=device).manual_seed(seed)
     dtype = getattr(torch, shape.dtype)
-
-    def draw(heads: int) -> torch.Tensor:
-        size = (shape.batch, heads, shape.length, shape.head_dim)
-        return torch.randn(size, generator=generator, device=device).to(dtype)
-
-    inputs = (draw(shape.q_heads), draw(shape.kv_heads), draw(shape.kv_heads))
-    grad_out = draw(shape.q_heads)
+    *inputs, grad_out = gate.draw_inputs(shape, device, seed)
     segment_ids, position_ids = segments_of(shape, device)
     dense = build_segment_mask(segment_ids, position_ids, shape.window)
     block = flex.build_flex_mask(segment_ids, position_ids, shape.window)

@@ -67,6 +67,18 @@ def within(errors: dict[str, float], thresholds: dict[str, float]) -> bool:
     return not over_threshold(errors, thresholds)
 
 
+def draw_inputs(shape: Any, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
+    """Seeded q, k, v and the output gradient of a shape, drawn in float32 and rounded to
+    its dtype, so every path computes on the same rounded inputs."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(heads: int) -> torch.Tensor:
+        size = (shape.batch, heads, shape.length, shape.head_dim)
+        return torch.randn(size, generator=generator, device=device).to(getattr(torch, shape.dtype))
+
+    return draw(shape.q_heads), draw(shape.kv_heads), draw(shape.kv_heads), draw(shape.q_heads)
+
+
 def shape_result(
     shape: Any,
     seed: int,
