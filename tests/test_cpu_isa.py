@@ -27,7 +27,10 @@ X86_ONLY = pytest.mark.skipif(
 def on_x86_64(monkeypatch):
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     for var in {var for isa in CPU_ISAS.values() for var in isa["env"]}:
-        monkeypatch.delenv(var, raising=False)
+        # Set, then removed: monkeypatch then restores the variable (or its absence) after
+        # the test, so a pin never leaks into the compiled kernels of later tests.
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
 
 
 def test_the_pin_sets_the_variable_each_library_reads(on_x86_64):

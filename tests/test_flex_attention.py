@@ -55,10 +55,14 @@ def test_flex_without_a_receipt_is_refused(tmp_path, monkeypatch):
     assert flex_gate.COMMAND in str(error.value)
 
 
-def test_a_receipt_for_another_cpu_isa_is_stale(receipt):
+def test_a_receipt_for_another_cpu_isa_is_stale(receipt, monkeypatch):
     path, key, _ = receipt
+    # The vector ISA inductor compiles for follows the pin; a receipt for another is stale.
+    pinned = "avx512" if "avx2" in key["cuda_capability"] else "avx2"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", pinned)
+    assert flex_gate.device_key("cpu")["cuda_capability"] != key["cuda_capability"]
     with pytest.raises(ValueError, match="vector ISA"):
-        gate.verify_receipt(flex_gate.SPEC, path, {**key, "cuda_capability": "cpu-OTHER"})
+        gate.verify_receipt(flex_gate.SPEC, path, flex_gate.device_key("cpu"))
 
 
 def tiny_config(window: int) -> MistralConfig:

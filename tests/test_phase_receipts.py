@@ -103,3 +103,10 @@ def test_the_projections_table_has_a_row_per_job_and_phase(finished_workflow):
     for stage, phase in (("sft", "evaluate"), ("ref_cache:steppairs", "evaluate")):
         row = next(r for r in rows if r.startswith(f"| {stage} | {phase} | "))
         assert re.search(r"[\d,]+ / [\d,]+ = \*\*\d\.\d\d\*\* \|$", row), row
+
+
+def test_the_probe_records_the_attention_compilations_of_its_run(finished_workflow):
+    # The default trains through sdpa, which compiles nothing; flex adds a row per bucket.
+    for arm in ("argilla", "steppairs"):
+        probe = read_json(finished_workflow / f"results/{arm}/probe.json")
+        assert probe["figures"]["attention_compilations"] == [], arm

@@ -7,8 +7,9 @@ in float64 under the dense mask the sdpa backend would be given for the same row
 row, sliding windows, grouped-query heads, widths that end mid-block. It measures the
 output and, where FlexAttention has a backward (CUDA), dq, dk and dv, each by
 max|flex - reference| / max|reference|, and times each shape's compilation. Receipts are
-keyed by this package's flex source, torch and the device (a CPU by its vector ISA, which
-the compiled code is built for), and judged by align.kernels.gate.
+keyed by this package's flex source, torch and the device (a CPU by the vector ISA inductor
+compiles for: torch 2.13's CPU flex compiled for AVX2 fails this gate on an AVX-512
+machine, out errors about 1), and judged by align.kernels.gate.
 
 CLI: python -m align.kernels.flex_gate [--out PATH] [--device cuda | cpu]
 (exit 0 passed, 3 failed; the receipt is written either way). A stage reads the receipt
@@ -118,8 +119,12 @@ def device_key(device: torch.device | str) -> dict[str, str]:
     """The receipt key for `device` of this process."""
     device = torch.device(device)
     if device.type == "cpu":
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
         name = platform.processor() or platform.machine()
-        capability = f"{CPU}-{torch.backends.cpu.get_cpu_capability()}"
+        # What inductor compiles for now (it reads ATEN_CPU_CAPABILITY when it compiles),
+        # not what ATen dispatched to when torch was imported.
+        capability = f"{CPU}-{pick_vec_isa()}"
     elif device.type == "cuda" and torch.cuda.is_available():
         name = torch.cuda.get_device_name(device)
         capability = "{}.{}".format(*torch.cuda.get_device_capability(device))

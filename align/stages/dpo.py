@@ -25,6 +25,7 @@ from align.eval.generation import generation_check, generation_prompts
 from align.eval.preference import implicit_reward_preference, policy_preference, score_pairs
 from align.eval.sanity import GenerationBand, chosen_responses, judge
 from align.exit_codes import ConfigError
+from align.kernels.flex import compile_seconds
 from align.losses.dpo import DPOObjective
 from align.paths import FIRST_RUN, RERUN, SPLITS, ended_run_in
 from align.receipts import write_json_atomic
@@ -152,6 +153,8 @@ def run_probe(
     return {
         **figures,
         "checkpoint_s": checkpoint_s,
+        # A compiled attention kernel (flex) pays its compilation once per shape bucket.
+        "attention_compilations": compile_seconds(),
         "training_path": path.as_dict(),
         **placed,
         "phases": meter.report(gated.projection.figures),
