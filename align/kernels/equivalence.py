@@ -7,8 +7,9 @@ each by relative error max|kernel - reference| / max|reference| against
 `THRESHOLDS`. The max-based error is used rather than a norm so that one wrong row
 (a block boundary, a padding edge) cannot hide in a long average. A receipt is keyed
 by everything the result depends on (kernel source, triton, torch, device) and
-sealed by a hash of its contents; `verify_receipt` refuses a missing, tampered,
-stale or failed one, and the attention selector asks it before "triton_fa2" may run.
+sealed by a hash of its contents; `verify_receipt` (align.kernels.gate, shared with flex)
+refuses a missing, tampered, stale or failed one, and the attention selector asks it
+before "triton_fa2" may run.
 
 On the CPU under Triton's interpreter (TRITON_INTERPRET=1) the same gate runs the small
 `INTERPRETER_GRID`; its receipt's key names the interpreter, so it proves nothing for a GPU.
