@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from align.constants import GATED_ATTENTION
 from align.exit_codes import run_with_exit_codes
 from align.kernels import gate
-from align.kernels.gate import GateSpec
+from align.kernels.gate import AttentionShape, GateSpec
 from align.receipts import hash_file
 
 BACKEND = "triton_fa2"
@@ -57,22 +57,11 @@ KEY_COMPONENTS = {
 
 
 @dataclass(frozen=True)
-class GateShape:
+class GateShape(AttentionShape):
     """One pre-registered case; `seq_lens` None means every row has full length."""
 
-    batch: int
-    q_heads: int
-    kv_heads: int
-    length: int
-    head_dim: int
-    dtype: str
     seq_lens: tuple[int, ...] | None = None
     causal: bool = True
-
-    def as_dict(self) -> dict[str, Any]:
-        shape = asdict(self)
-        shape["seq_lens"] = list(self.seq_lens) if self.seq_lens is not None else None
-        return shape
 
 
 # The GPU kernels block queries by 32..128 and keys by 32..128: lengths 129, 300, 1000
@@ -131,11 +120,7 @@ def grid_for(key: dict[str, str]) -> tuple[GateShape, ...]:
 
 def proven_here() -> tuple[frozenset[torch.dtype], frozenset[int]]:
     """The dtypes and head dims the gate proves where kernels run in this process."""
-    grid = INTERPRETER_GRID if interpreted() else EQUIVALENCE_GRID
-    return (
-        frozenset(getattr(torch, shape.dtype) for shape in grid),
-        frozenset(shape.head_dim for shape in grid),
-    )
+    return gate.proven_by(INTERPRETER_GRID if interpreted() else EQUIVALENCE_GRID)
 
 
 def device_key(device: torch.device | str) -> dict[str, str]:

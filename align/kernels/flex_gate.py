@@ -22,7 +22,7 @@ from __future__ import annotations
 import platform
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from align.constants import BRANCH_SEGMENT, GATED_ATTENTION, PAD_SEGMENT, PREFIX_SEGMENT
 from align.exit_codes import run_with_exit_codes
 from align.kernels import flex, gate
-from align.kernels.gate import GateSpec
+from align.kernels.gate import AttentionShape, GateSpec
 from align.kernels.segments import build_segment_mask
 from align.receipts import hash_file
 
@@ -54,24 +54,13 @@ KEY_COMPONENTS = {
 
 
 @dataclass(frozen=True)
-class FlexShape:
+class FlexShape(AttentionShape):
     """One pre-registered case. Each row is its segments' lengths: one length is a plain
     row, three are a shared-prompt row (prefix, chosen, rejected); the rest is padding."""
 
-    batch: int
-    q_heads: int
-    kv_heads: int
-    length: int
-    head_dim: int
-    dtype: str
     rows: tuple[tuple[int, ...], ...]
     window: int | None
     backward: bool
-
-    def as_dict(self) -> dict[str, Any]:
-        shape = asdict(self)
-        shape["rows"] = [list(row) for row in self.rows]
-        return shape
 
 
 SHARED_300 = ((120, 90, 80), (200, 50, 40))
@@ -143,11 +132,7 @@ def device_key(device: torch.device | str) -> dict[str, str]:
 
 def proven_for(device: torch.device) -> tuple[frozenset[torch.dtype], frozenset[int]]:
     """The dtypes and head dims the gate proves on a device of `device`'s type."""
-    grid = CPU_GRID if device.type == "cpu" else CUDA_GRID
-    return (
-        frozenset(getattr(torch, shape.dtype) for shape in grid),
-        frozenset(shape.head_dim for shape in grid),
-    )
+    return gate.proven_by(CPU_GRID if device.type == "cpu" else CUDA_GRID)
 
 
 def require_proven_flex(device: torch.device | str) -> dict[str, Any]:

@@ -11,12 +11,13 @@ the attention selector asks it before the backend may run. The triton_fa2 kernel
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,31 @@ from align.receipts import hash_json, now_iso, read_json, write_json_atomic
 RECEIPTS_ENV = "ALIGN_KERNEL_RECEIPTS"
 DEFAULT_RECEIPTS_DIR = Path("~/.cache/align/kernels")
 RECEIPT_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What every pre-registered case draws its q, k and v by; a backend's gate adds the
+    layout it measures."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    length: int
+    head_dim: int
+    dtype: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """The case as a receipt records it (JSON's lists for tuples)."""
+        return json.loads(json.dumps(asdict(self)))
+
+
+def proven_by(grid: Sequence[AttentionShape]) -> tuple[frozenset[torch.dtype], frozenset[int]]:
+    """The dtypes and head dims a gate's grid proves."""
+    return (
+        frozenset(getattr(torch, shape.dtype) for shape in grid),
+        frozenset(shape.head_dim for shape in grid),
+    )
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,18 @@ def eager_attention(
     return torch.matmul(scores.softmax(dim=-1), v).to(q.dtype)
 
 
+def require_proven_shape(
+    backend: str, q: torch.Tensor, dtypes: frozenset, head_dims: frozenset, where: str = ""
+) -> None:
+    """Refuse queries of a dtype or head dim the backend's equivalence gate did not prove."""
+    if q.dtype not in dtypes or q.shape[-1] not in head_dims:
+        proven = f"dtypes {sorted(map(str, dtypes))}, head dims {sorted(head_dims)}"
+        raise ValueError(
+            f"attention backend {backend!r} is proven{where} only for {proven}; "
+            f"got {q.dtype}, head dim {q.shape[-1]}"
+        )
+
+
 def triton_fa2_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None
 ) -> torch.Tensor:
@@ -63,13 +75,7 @@ def triton_fa2_attention(
             f"attention backend 'triton_fa2' runs on CUDA tensors (or the CPU under "
             f"TRITON_INTERPRET=1), got {q.device}"
         )
-    dtypes, head_dims = proven_here()
-    if q.dtype not in dtypes or q.shape[-1] not in head_dims:
-        proven = f"dtypes {sorted(map(str, dtypes))}, head dims {sorted(head_dims)}"
-        raise ValueError(
-            f"attention backend 'triton_fa2' is proven only for {proven}; "
-            f"got {q.dtype}, head dim {q.shape[-1]}"
-        )
+    require_proven_shape("triton_fa2", q, *proven_here())
     if key_lengths is not None and key_lengths.dim() != 1:
         raise ValueError(
             "attention backend 'triton_fa2' takes key lengths [B] (see "
@@ -86,13 +92,7 @@ def flex_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: FlexMask
 ) -> torch.Tensor:
     """torch's FlexAttention under a block mask, for the dtypes and head dims its gate proves."""
-    dtypes, head_dims = flex_gate.proven_for(q.device)
-    if q.dtype not in dtypes or q.shape[-1] not in head_dims:
-        proven = f"dtypes {sorted(map(str, dtypes))}, head dims {sorted(head_dims)}"
-        raise ValueError(
-            f"attention backend 'flex' is proven on {q.device.type} only for {proven}; "
-            f"got {q.dtype}, head dim {q.shape[-1]}"
-        )
+    require_proven_shape("flex", q, *flex_gate.proven_for(q.device), f" on {q.device.type}")
     return flex_attention_fn(q, k, v, mask)
 
 
