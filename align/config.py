@@ -30,6 +30,7 @@ from align.constants import (
     LOCK_MODES,
     MIN_VOCAB_SIZE,
     OPTIMIZERS,
+    PAIR_LAYOUTS,
     SEGMENT_MASK_ATTENTION,
     SELECTION_RULES,
     SMOOTHABLE_LOSSES,
@@ -214,8 +215,7 @@ class RefConfig:
 
     The precompute writes one resumable part per slice of `slice_pairs` pairs, rounded
     up to whole batches so that slicing never changes a batch; the cache's bytes do not
-    depend on it. `share_prompt` scores each pair as one prefix-shared row, as
-    `batch.share_prompt` trains.
+    depend on it. `layout` lays the scored pairs out as `batch.layout` does the trained.
     """
 
     # What the reference forward computes in; part of the cache key.
@@ -224,8 +224,8 @@ class RefConfig:
     attn_implementation: str = "sdpa"
     # Pairs per reference forward; padding depends on it, so it is part of the cache key.
     batch_size: int = 16
-    # Score each pair as one prefix-shared row (needs a segment-aware backend).
-    share_prompt: bool = False
+    # How pairs become rows (PAIR_LAYOUTS, see BatchConfig); part of the cache key.
+    layout: str = "padded"
     # Pairs per resumable part of the precompute.
     slice_pairs: int = 128
 
@@ -233,6 +233,7 @@ class RefConfig:
         return [
             one_of("dtype", self.dtype, DTYPES),
             one_of("attn_implementation", self.attn_implementation, ATTENTION_IMPLEMENTATIONS),
+            one_of("layout", self.layout, PAIR_LAYOUTS),
             *positive_ints(self, "batch_size", "slice_pairs"),
         ]
 
@@ -316,10 +317,11 @@ class OptimizerConfig:
 class BatchConfig:
     """Batch topology: world_size x micro_batch x grad_accum must equal global_batch.
 
-    `share_prompt` lays each DPO pair out as one row [prompt | chosen | rejected], so the
-    prompt runs once (align.data.loader.collate_shared_prompt); it changes the forward
-    path, so it is part of forward_impl ('shared' for 'padded'). Needs an attention
-    backend with a segment-aware mask ('sdpa', 'eager', 'flex'); SFT refuses it.
+    `layout` is how DPO pairs become rows (align.data.loader): 'padded', chosen and
+    rejected as two rows; 'shared', one row [prompt | chosen | rejected] per pair, so the
+    prompt runs once; 'packed', several shared pairs per row, so short pairs pad less. It
+    changes the forward path, so it is part of forward_impl. 'shared' and 'packed' need an
+    attention backend with a segment-aware mask ('sdpa', 'eager', 'flex'); SFT refuses them.
     """
 
     # Ranks (one per GPU on CUDA) that train together.
@@ -336,8 +338,8 @@ class BatchConfig:
     epochs: int = 1
     # Seeds the sampler's shuffle and torch's generator, so a rerun draws the same batches.
     seed: int = 0
-    # Lay each pair out as one prefix-shared row (see the class docstring).
-    share_prompt: bool = False
+    # How each pair becomes rows (PAIR_LAYOUTS, see the class docstring).
+    layout: str = "padded"
 
     def checks(self) -> list[Check]:
         ranks, per_node = self.world_size, self.gpus_per_node
@@ -359,6 +361,7 @@ class BatchConfig:
                 f"world_size x micro_batch x grad_accum = {ranks} x {self.micro_batch} x "
                 f"{self.grad_accum} = {product}",
             ),
+            one_of("layout", self.layout, PAIR_LAYOUTS),
         ]
 
 
@@ -757,8 +760,8 @@ class ArmConfig:
                 ARM_NAME.fullmatch(self.arm) is not None,
                 "the arm's name (required): letters, digits, _ and -, a directory of results_dir",
             ),
-            segment_masked("batch.share_prompt", self.batch.share_prompt, self.model),
-            segment_masked("ref.share_prompt", self.ref.share_prompt, self.ref),
+            segment_masked("batch.layout", self.batch.layout, self.model),
+            segment_masked("ref.layout", self.ref.layout, self.ref),
             trains_on_its_device(self.model, self.run),
         ]
 
@@ -775,15 +778,15 @@ def trains_on_its_device(model: ModelConfig, run: RunConfig) -> Check:
     )
 
 
-def segment_masked(key: str, shared: bool, forward: ModelConfig | RefConfig) -> Check:
-    """The prefix-shared layout needs a backend whose mask keeps a pair's branches apart."""
+def segment_masked(key: str, layout: str, forward: ModelConfig | RefConfig) -> Check:
+    """The shared and packed layouts need a backend whose mask keeps segments apart."""
     backend = forward.attn_implementation
     return Check(
         key,
-        shared,
-        not shared or backend in SEGMENT_MASK_ATTENTION,
-        f"false with attn_implementation {backend!r} (prefix sharing needs one of "
-        f"{SEGMENT_MASK_ATTENTION})",
+        layout,
+        layout == "padded" or backend in SEGMENT_MASK_ATTENTION,
+        f"'padded' with attn_implementation {backend!r} (the shared and packed layouts need "
+        f"one of {SEGMENT_MASK_ATTENTION})",
     )
 
 
@@ -851,9 +854,9 @@ class SftConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
     def checks(self) -> list[Check]:
-        shared = self.batch.share_prompt
+        layout = self.batch.layout
         return [
-            Check("batch.share_prompt", shared, not shared, "false (SFT rows are not pairs)"),
+            Check("batch.layout", layout, layout == "padded", "'padded' (SFT rows are not pairs)"),
             trains_on_its_device(self.model, self.run),
         ]
 

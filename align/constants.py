@@ -12,8 +12,17 @@ DTYPES = ("float32", "bfloat16", "float16")
 # A label the losses skip: prompt tokens, padding, and the shared prefix's copies.
 IGNORE_INDEX = -100
 
-# segment_ids values: padding, the shared prefix; branches are BRANCH_SEGMENT, +1, ...
-PAD_SEGMENT, PREFIX_SEGMENT, BRANCH_SEGMENT = 0, 1, 2
+# segment_ids values: padding, then each pair of a row in turn: its prefix (the prompt, or a
+# plain row's every token) and its chosen and rejected responses. Pair j of a packed row is
+# PREFIX_SEGMENT + j * SEGMENTS_PER_PAIR, its responses the two ids after it.
+PAD_SEGMENT, PREFIX_SEGMENT = 0, 1
+SEGMENTS_PER_PAIR = 3
+
+# batch.layout / ref.layout: how pairs become rows (align.data.loader). `padded`: chosen and
+# rejected as two right-padded rows; `shared`: one row per pair, [prompt | chosen |
+# rejected], the prompt run once; `packed`: several shared rows' pairs per row, each pair
+# blind to the others. The names also tag a reference cache's forward path.
+PAIR_LAYOUTS = ("padded", "shared", "packed")
 
 # run.cpu_isa: the variable each CPU math library reads at start-up to cap the instruction
 # set it dispatches to (torch's own kernels, MKL's reproducible branch, oneDNN), and the
@@ -40,7 +49,7 @@ CPU_ISAS = {
 
 # model/ref.attn_implementation: the backends align.model.attention registers, in its order.
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "triton_fa2", "flex")
-# The backends whose mask keeps the prefix-shared layout's branches apart (batch.share_prompt).
+# The backends whose mask keeps the shared and packed layouts' segments apart.
 SEGMENT_MASK_ATTENTION = ("sdpa", "eager", "flex")
 # The backends proven by an equivalence gate before they run: the gate's module (its CLI),
 # the source file its receipt is keyed by, and the variable a stage reads its receipt at.

@@ -7,16 +7,18 @@ A backend that cannot share K/V heads (enable_gqa) is timed with K/V repeated in
 the timed region, and its row says so.
 
 Layouts (--layouts): one 7B-shaped decoder layer (align's own, with a small vocabulary so
-that the layer dominates) trains on prompt-heavy pairs (prompt 5/8 of T, chosen 3/8,
-rejected 1/4), each laid out as two right-padded rows [prompt | response] through
-triton_fa2, flex and sdpa, or as one prefix-shared row [prompt | chosen | rejected]
-through flex and sdpa (which takes it as a dense mask). Ratios are to two rows through
-triton_fa2, the production path; the goal for shared rows through flex is <= 0.7.
+that the layer dominates) trains on prompt-heavy pairs (prompt 5/8 of the pair's length,
+chosen 3/8, rejected 1/4; the pairs' lengths T, T/2, T/4, T/4 in turn), collated by
+align.data.loader as two right-padded rows [prompt | response] through triton_fa2, flex
+and sdpa, as one prefix-shared row [prompt | chosen | rejected] per pair, or packed
+several pairs to a row, through flex and sdpa (which takes them as a dense mask). Ratios
+are to two rows through triton_fa2, the production path; the goal for shared rows through
+flex is <= 0.7.
 
 Refuses to run without CUDA: CPU or interpreter timings say nothing about the kernels.
 
 usage: python benchmarks/attention.py [--lengths 2048 4096 8192] [--batches 1 2]
-       [--layouts [--layout-lengths 2048 4096] [--layout-pairs 2]] [--out PATH]
+       [--layouts [--layout-lengths 2048 4096] [--layout-pairs 4]] [--out PATH]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -181,23 +184,34 @@ def layer_model(attn: str) -> torch.nn.Module:
     return NmoMistralForCausalLM(config, attn, torch.device("cuda")).to("cuda", torch.bfloat16)
 
 
-def layout_inputs(batch: int, length: int, shared: bool) -> dict[str, torch.Tensor]:
-    """`batch` prompt-heavy pairs as two right-padded rows each, or one shared row each."""
-    prompt, chosen, rejected = (length * part // 8 for part in (PROMPT, CHOSEN, REJECTED))
-    generator = torch.Generator().manual_seed(0)
-    if shared:
-        from align.kernels.flex_gate import FlexShape, segments_of
+def layout_inputs(batch: int, length: int, layout: str) -> dict[str, torch.Tensor]:
+    """`batch` prompt-heavy pairs of lengths T, T/2, T/4, T/4, ... in `layout`, on CUDA."""
+    from align.data.loader import collate_pairs
+    from align.data.shards import pair_arrays
+    from align.data.tokenize import TokenizedPair
 
-        width = prompt + chosen + rejected
-        rows = ((prompt, chosen, rejected),) * batch
-        shape = FlexShape(batch, Q_HEADS, KV_HEADS, width, HEAD_DIM, "bfloat16", rows, None, True)
-        segment_ids, position_ids = segments_of(shape, torch.device("cuda"))
-        ids = torch.randint(0, 1024, (batch, width), generator=generator).cuda()
-        return {"input_ids": ids, "segment_ids": segment_ids, "position_ids": position_ids}
-    ids = torch.randint(0, 1024, (2 * batch, prompt + chosen), generator=generator).cuda()
-    mask = torch.ones_like(ids)
-    mask[batch:, prompt + rejected :] = 0  # the rejected rows are shorter
-    return {"input_ids": ids, "attention_mask": mask}
+    draw = np.random.default_rng(0).integers
+    pairs = []
+    for index in range(batch):
+        scale = length // (1, 2, 4, 4)[index % 4]
+        prompt, chosen, rejected = (scale * part // 8 for part in (PROMPT, CHOSEN, REJECTED))
+        pairs.append(
+            TokenizedPair(
+                list(draw(1, 1024, prompt)),
+                list(draw(1, 1024, chosen)),
+                list(draw(1, 1024, rejected)),
+                False,
+            )
+        )
+    arrays = pair_arrays(range(batch), pairs, pad_id=0)
+    collated = collate_pairs(arrays, np.arange(batch), layout).to(torch.device("cuda"))
+    if layout == "padded":
+        return {"input_ids": collated.input_ids, "attention_mask": collated.attention_mask}
+    return {
+        "input_ids": collated.input_ids,
+        "segment_ids": collated.segment_ids,
+        "position_ids": collated.position_ids,
+    }
 
 
 def layout_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> None:
@@ -207,15 +221,17 @@ def layout_step(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> None
 
 def benchmark_layouts(batch: int, length: int, warmup: int, iters: int) -> list[dict]:
     cases = {
-        LAYOUT_BASELINE: ("triton_fa2", False),
-        "two rows, flex": ("flex", False),
-        "two rows, sdpa": ("sdpa", False),
-        "shared row, flex": ("flex", True),
-        "shared row, sdpa (dense mask)": ("sdpa", True),
+        LAYOUT_BASELINE: ("triton_fa2", "padded"),
+        "two rows, flex": ("flex", "padded"),
+        "two rows, sdpa": ("sdpa", "padded"),
+        "shared rows, flex": ("flex", "shared"),
+        "shared rows, sdpa (dense mask)": ("sdpa", "shared"),
+        "packed rows, flex": ("flex", "packed"),
+        "packed rows, sdpa (dense mask)": ("sdpa", "packed"),
     }
     rows = []
-    for name, (attn, shared) in cases.items():
-        model, inputs = layer_model(attn), layout_inputs(batch, length, shared)
+    for name, (attn, layout) in cases.items():
+        model, inputs = layer_model(attn), layout_inputs(batch, length, layout)
 
         def step(model=model, inputs=inputs):
             layout_step(model, inputs)
@@ -282,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--layouts", action="store_true", help="also time the pair layouts")
     parser.add_argument("--layout-lengths", type=int, nargs="+", default=[2048, 4096])
-    parser.add_argument("--layout-pairs", type=int, default=2, help="pairs per layout step")
+    parser.add_argument("--layout-pairs", type=int, default=4, help="pairs per layout step")
     parser.add_argument("--out", type=Path, help="also write the rows and environment as JSON")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

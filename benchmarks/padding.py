@@ -2,7 +2,8 @@
 
 `python benchmarks/padding.py SHARD [SHARD ...]` reads each built pair shard (for example
 the scale rehearsal's rehearsal/250m/results/data/<arm>/train/pairs.safetensors) and
-prints, for each layout (two rows per pair, or one prefix-shared row) and batching:
+prints, for each layout (align.constants.PAIR_LAYOUTS: two rows per pair, one
+prefix-shared row per pair, or shared pairs packed several to a row) and batching:
 
 - training micro-batches of 1, 2 and 4 pairs as the trainer draws them (StepSampler:
   shuffled, not sorted by width);
@@ -21,18 +22,17 @@ import sys
 import numpy as np
 
 from align.config import BatchConfig
+from align.constants import PAIR_LAYOUTS
 from align.data import deal
 from align.data.loader import PairShard
 from align.data.sampler import StepSampler
 
-LAYOUTS = {"two-row": False, "shared": True}
 
-
-def real_tokens(shard: PairShard, rows: np.ndarray, shared: bool) -> int:
+def real_tokens(shard: PairShard, rows: np.ndarray) -> int:
     """Positions that hold a token: both sequences, or the prompt once and both responses."""
     arrays = shard.arrays
     total = arrays["chosen_len"][rows].astype(np.int64) + arrays["rejected_len"][rows]
-    if shared:
+    if shard.layout != "padded":
         total = total - arrays["prompt_len"][rows]
     return int(total.sum())
 
@@ -44,10 +44,9 @@ def training_batches(n: int, micro_batch: int) -> list[np.ndarray]:
     return [rows for step in range(len(sampler)) for rows in sampler.rank_rows(step)]
 
 
-def padding_share(shard: PairShard, batches: list[np.ndarray], shared: bool) -> tuple[int, int]:
-    shard.share_prompt = shared
+def padding_share(shard: PairShard, batches: list[np.ndarray]) -> tuple[int, int]:
     computed = sum(shard.computed_tokens(rows) for rows in batches)
-    real = sum(real_tokens(shard, rows, shared) for rows in batches)
+    real = sum(real_tokens(shard, rows) for rows in batches)
     return computed, real
 
 
@@ -57,13 +56,13 @@ def main() -> int:
     args = parser.parse_args()
     print("shard | layout | batches | computed | real | padding")
     for path in args.shards:
-        shard = PairShard(path)
-        n = len(shard)
+        n = len(PairShard(path))
         cases = {f"train micro_batch {m}": training_batches(n, m) for m in (1, 2, 4)}
         cases.update({f"score batch {b}": deal.batches(0, n, b) for b in (8, 16)})
-        for layout, shared in LAYOUTS.items():
+        for layout in PAIR_LAYOUTS:
+            shard = PairShard(path, layout)
             for name, batches in cases.items():
-                computed, real = padding_share(shard, batches, shared)
+                computed, real = padding_share(shard, batches)
                 print(
                     f"{path} | {layout} | {name} | {computed:,} | {real:,} | "
                     f"{1 - real / computed:.1%}"

@@ -90,7 +90,7 @@ def current_wall_s(results: Path, cfg, probe: dict) -> float:
     from align.paths import RunPaths
     from align.train.probes import Beside, probe_figures
 
-    shard = PairShard(RunPaths.of(results).arm(cfg.arm).shard("train"), cfg.batch.share_prompt)
+    shard = PairShard(RunPaths.of(results).arm(cfg.arm).shard("train"), cfg.batch.layout)
     source = BatchSource(shard, StepSampler(len(shard), cfg.batch, 0, cfg.batch.world_size))
     measured = probe["figures"]
     beside = Beside(

@@ -1,14 +1,16 @@
 """align's Trainer against TRL's DPOTrainer: step time, tokens/s and peak RSS on CPU.
 
-Five configurations train the same random Mistral (hidden 256, 6 layers, ~4.9M
+Six configurations train the same random Mistral (hidden 256, 6 layers, ~4.9M
 parameters, sdpa) on the same pre-tokenized pairs for the same steps, batch, learning
 rate, AdamW betas and gradient clip, all in float32 but align_bf16, and without activation
 checkpointing unless --activation-checkpointing turns it on for all (TRL's own defaults,
 bf16 autocast and gradient checkpointing, would compare different arithmetic):
 
   align        align's Trainer (FSDP2 on one gloo rank), reference log-probs precomputed
-  align_shared the same with batch.share_prompt: one row [prompt | chosen | rejected]
+  align_shared the same with batch.layout = "shared": one row [prompt | chosen | rejected]
                per pair, so the prompt runs once
+  align_packed the same with batch.layout = "packed": as many shared pairs per row as
+               fit the step's widest, so short pairs pad less
   align_bf16   align with model.dtype = bfloat16: float32 master shards, bf16 forward and
                backward (FSDP2's MixedPrecisionPolicy), its own bf16 reference log-probs
   trl_precomp  TRL DPOTrainer, precompute_ref_log_probs=True
@@ -73,11 +75,18 @@ MODEL = {
     "num_key_value_heads": 2,
     "max_position_embeddings": VARIED_PROMPT[1] + VARIED_RESPONSE[1] + 1,
 }
-CONFIGS = ("align", "align_shared", "align_bf16", "trl_precomp", "trl_live")
-ALIGN_CONFIGS = ("align", "align_shared", "align_bf16")
+CONFIGS = ("align", "align_shared", "align_packed", "align_bf16", "trl_precomp", "trl_live")
+# Each align configuration's batch.layout.
+ALIGN_LAYOUTS = {
+    "align": "padded",
+    "align_shared": "shared",
+    "align_packed": "packed",
+    "align_bf16": "padded",
+}
+ALIGN_CONFIGS = tuple(ALIGN_LAYOUTS)
 # align's best layout over trl_precomp, at most, on every workload.
 TARGETS = {"median_step_s": 0.45, "peak_rss_mb": 0.7}
-LAYOUTS = ("align", "align_shared")
+LAYOUTS = ("align", "align_shared", "align_packed")
 RATIOS = ("median_step_s", "median_step_cpu_s", "peak_rss_mb")
 
 
@@ -189,7 +198,7 @@ def _clocks() -> tuple[float, float]:
 
 
 def run_align(
-    work: Path, steps: int, activation_checkpointing: bool, share_prompt: bool, dtype: str
+    work: Path, steps: int, activation_checkpointing: bool, layout: str, dtype: str
 ) -> list[tuple[float, float]]:
     import torch
 
@@ -205,7 +214,7 @@ def run_align(
         global_batch=PAIRS_PER_STEP,
         grad_accum=1,
         epochs=1,
-        share_prompt=share_prompt,
+        layout=layout,
     )
     run_dir = work / "align-run"
     trainer_cfg = TrainerConfig(activation_checkpointing=activation_checkpointing)
@@ -213,7 +222,7 @@ def run_align(
     model = load_policy(
         work / "base", ModelConfig(dtype=dtype, attn_implementation="sdpa"), info, trainer_cfg
     )
-    shard = PairShard(work / "pairs.safetensors", share_prompt=share_prompt)
+    shard = PairShard(work / "pairs.safetensors", layout)
     with torch.no_grad():  # the reference cache: the policy at step 0
         model.eval()
         logps = [
@@ -316,7 +325,7 @@ def child(config: str, work: Path, args: argparse.Namespace) -> None:
     checkpointing = args.activation_checkpointing
     if config in ALIGN_CONFIGS:
         dtype = "bfloat16" if config == "align_bf16" else "float32"
-        ends = run_align(work, args.steps, checkpointing, config == "align_shared", dtype)
+        ends = run_align(work, args.steps, checkpointing, ALIGN_LAYOUTS[config], dtype)
     else:
         ends = run_trl(work, args.steps, config == "trl_live", checkpointing)
     wall, cpu = np.diff(np.array(ends), axis=0).T
@@ -400,7 +409,8 @@ def report(
             f"{row['tokens_per_s']:9.0f} {row['peak_rss_mb']:13.0f}  {row['rounds']}"
         )
     pairs = [(mine, other) for mine in ALIGN_CONFIGS for other in ("trl_precomp", "trl_live")]
-    for mine, other in [*pairs, ("align_shared", "align"), ("align_bf16", "align")]:
+    layouts = [("align_shared", "align"), ("align_packed", "align"), ("align_bf16", "align")]
+    for mine, other in [*pairs, *layouts]:
         if mine not in summary or other not in summary:
             continue
         ratios = {key: summary[mine][key] / summary[other][key] for key in RATIOS}

@@ -166,7 +166,6 @@ def caches_in_use(wildcards):
 def ref_overrides(wildcards):
     """The ref-path overrides that build the cache named by the forward_impl wildcard."""
     path = parse_forward_impl(wildcards.forward_impl)
-    path["share_prompt"] = str(path["share_prompt"]).lower()
     return " ".join(f"--ref.{key}={value}" for key, value in path.items())
 
 

@@ -76,6 +76,7 @@ BATCH = {
     "global_batch": 0,
     "epochs": 0,
     "seed": -1,
+    "layout": "two_rows",
 }
 TRAINER = {
     "checkpoint_every": -1,
@@ -136,6 +137,7 @@ BAD: dict[type, dict[str, Any]] = {
         "ref.attn_implementation": "flash9",
         "ref.batch_size": 0,
         "ref.slice_pairs": 0,
+        "ref.layout": "shared_prompt",
         "dpo.beta": 0.0,
         "dpo.loss": "kto",
         "dpo.label_smoothing": 0.5,
@@ -175,8 +177,6 @@ BAD: dict[type, dict[str, Any]] = {
         **under("optimizer", OPTIMIZER),
         **under("batch", BATCH),
         **under("preflight", PREFLIGHT),
-        # SFT rows are conversations, not pairs: there is no prompt to share.
-        "batch.share_prompt": True,
         **under("trainer", TRAINER),
         "gate.max_held_nll": 0.0,
         "gate.generation_check.prompts": 0,
@@ -216,17 +216,13 @@ BAD: dict[type, dict[str, Any]] = {
     },
 }
 
-SHARED_PROMPT = "a bool; with a backend that cannot mask segments it is refused (test below)"
-
 # --- per loadable class: dotted key -> why it has no out-of-range value ----------------
 
 EXEMPT: dict[type, dict[str, str]] = {
     ArmConfig: {
         "data.merge_system_into_user": FREE_BOOL,
         "data.filters.exclude_in_gsm8k_train": FREE_BOOL,
-        "ref.share_prompt": SHARED_PROMPT,
         "dpo.length_normalize": FREE_BOOL,
-        "batch.share_prompt": SHARED_PROMPT,
         **under("trainer", TRAINER_EXEMPT),
         # Disarming is free; disarming without a reason is refused under tripwires.disarmed.
         "tripwires.collapse": FREE_BOOL,
@@ -287,15 +283,22 @@ def test_betas_are_two_decay_rates_in_0_1(betas):
         load_config(BASE[ArmConfig], ArmConfig, [override("optimizer.betas", betas)])
 
 
+@pytest.mark.parametrize("layout", ["shared", "packed"])
 @pytest.mark.parametrize("section", ["batch", "ref"])
-def test_prefix_sharing_with_a_backend_that_cannot_mask_segments_is_refused(section):
+def test_prefix_sharing_with_a_backend_that_cannot_mask_segments_is_refused(section, layout):
     forward = "model" if section == "batch" else "ref"
-    tokens = [f"--{forward}.attn_implementation=triton_fa2", f"--{section}.share_prompt=true"]
+    tokens = [f"--{forward}.attn_implementation=triton_fa2", f"--{section}.layout={layout}"]
     with pytest.raises(ConfigError) as err:
         load_config(BASE[ArmConfig], ArmConfig, tokens)
-    assert f"key '{section}.share_prompt' expected false with attn_implementation" in str(err.value)
-    shared = load_config(BASE[ArmConfig], ArmConfig, [f"--{section}.share_prompt=true"]).cfg
-    assert getattr(shared, section).share_prompt is True
+    assert f"key '{section}.layout' expected 'padded' with attn_implementation" in str(err.value)
+    shared = load_config(BASE[ArmConfig], ArmConfig, [f"--{section}.layout={layout}"]).cfg
+    assert getattr(shared, section).layout == layout
+
+
+@pytest.mark.parametrize("layout", ["shared", "packed"])
+def test_sft_refuses_a_pair_layout(layout):
+    with pytest.raises(ConfigError, match=r"key 'batch.layout' expected 'padded' \(SFT rows"):
+        load_config(BASE[SftConfig], SftConfig, [f"--batch.layout={layout}"])
 
 
 def test_every_failing_key_is_named_in_one_line():

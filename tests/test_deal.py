@@ -10,6 +10,7 @@ from mistral_7b import write_config_only_checkpoint
 from test_loader import PAD, make_pairs
 
 from align.config import ArmConfig, apply_overrides
+from align.constants import PAIR_LAYOUTS
 from align.data import deal
 from align.data.loader import PairShard
 from align.data.shards import PAIR_FORMAT, pair_arrays, write_shard
@@ -49,19 +50,17 @@ def collated(shard: PairShard, blocks: list[deal.Block], pad: np.ndarray) -> set
     return {tuple(batch.input_ids.shape) for batch in batches}
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_the_projected_forwards_are_the_batches_the_scoring_loops_collate(shards, shared):
-    cfg = arm(
-        f"--batch.share_prompt={str(shared).lower()}", f"--ref.share_prompt={str(shared).lower()}"
-    )
+@pytest.mark.parametrize("layout", PAIR_LAYOUTS)
+def test_the_projected_forwards_are_the_batches_the_scoring_loops_collate(shards, layout):
+    cfg = arm(f"--batch.layout={layout}", f"--ref.layout={layout}")
     for rank in range(WORLD):
-        held = PairShard(shards["held"], shared)
+        held = PairShard(shards["held"], layout)
         blocks = deal.rank_blocks(len(held), cfg.eval.batch_size, rank, WORLD)
         pad = deal.padding_rows(len(held), cfg.eval.batch_size)
         assert scoring_forwards("dpo", cfg, shards)[rank] == collated(held, blocks, pad)
         expected = set()
         for split in ("train", "held"):
-            shard = PairShard(shards[split], shared)
+            shard = PairShard(shards[split], layout)
             size = deal.slice_size(cfg.ref.slice_pairs, cfg.ref.batch_size)
             bounds = deal.slice_rows(len(shard), size)
             rounds = deal.slice_rounds(

@@ -4,10 +4,15 @@ against sdpa's, and what it refuses (a CPU backward, a CPU arm that trains with 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from align.config import ArmConfig, apply_overrides, validate
+from align.data.loader import collate_preference, collate_shared_prompt
+from align.data.shards import pair_arrays
+from align.data.tokenize import TokenizedPair
+from align.eval.logprobs import sequence_logps
 from align.exit_codes import ConfigError
 from align.kernels import flex, flex_gate, gate
 from align.model.attention import attention, select_attn_implementation
@@ -86,17 +91,34 @@ def twin_models(window: int) -> tuple[NmoMistralForCausalLM, NmoMistralForCausal
     return sdpa, with_flex
 
 
-def test_the_models_shared_prompt_rows_through_flex_match_sdpa(receipt):
+def test_the_models_shared_and_packed_rows_through_flex_match_sdpa(receipt):
     sdpa, with_flex = twin_models(window=48)
-    shape = flex_gate.FlexShape(
-        2, 2, 1, 150, 64, "float32", ((60, 50, 40), (90, 30, 20)), 48, False
-    )
+    rows = ((60, 50, 40), (40, 20, 15, 30, 25, 20))  # a shared row, a packed row of two
+    shape = flex_gate.FlexShape(2, 2, 1, 150, 64, "float32", rows, 48, False)
     segment_ids, position_ids = flex_gate.segments_of(shape, torch.device("cpu"))
     ids = torch.randint(0, 97, segment_ids.shape, generator=torch.Generator().manual_seed(1))
     layout = {"segment_ids": segment_ids, "position_ids": position_ids, "return_hidden": True}
     with torch.no_grad():
         expected, found = sdpa(ids, **layout), with_flex(ids, **layout)
     assert torch.allclose(found, expected, rtol=0, atol=1e-5)
+
+
+def test_packed_pairs_scored_through_flex_match_the_two_row_layout(receipt):
+    sdpa, with_flex = twin_models(window=48)
+    draw = np.random.default_rng(3).integers
+    lengths = [(40, 30, 20), (10, 5, 8), (20, 12, 6), (3, 30, 40), (8, 2, 1)]
+    pairs = [
+        TokenizedPair(list(draw(1, 97, p)), list(draw(1, 97, c)), list(draw(1, 97, r)), False)
+        for p, c, r in lengths
+    ]
+    arrays = pair_arrays(range(len(pairs)), pairs, pad_id=0)
+    rows = np.arange(len(pairs))
+    packed = collate_shared_prompt(arrays, rows, pack=True)
+    assert packed.input_ids.shape[0] < len(rows)
+    with torch.no_grad():
+        expected = sequence_logps(sdpa, collate_preference(arrays, rows))
+        found = sequence_logps(with_flex, packed)
+    assert torch.allclose(found, expected, rtol=1e-5, atol=0)
 
 
 def test_the_models_padded_rows_through_flex_match_sdpa(receipt):

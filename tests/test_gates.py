@@ -123,7 +123,8 @@ def test_path_bias_decision_not_honoured_is_refused(run_copy):
     "override, trains_through",
     [
         ("--model.dtype=bfloat16", "'forward_impl': 'sdpa-bf16-"),
-        ("--batch.share_prompt=true", "-shared'"),
+        ("--batch.layout=shared", "-shared'"),
+        ("--batch.layout=packed", "-packed'"),
         ("--model.attn_implementation=eager", "'forward_impl': 'eager-fp32-"),
         ("--model.master_dtype=bfloat16", "'master': 'bfloat16'"),
     ],

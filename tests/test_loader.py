@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
+from align.constants import PAIR_LAYOUTS
 from align.data.loader import (
     collate_preference,
     collate_shared_prompt,
@@ -17,7 +18,15 @@ from align.data.loader import (
     preference_dataset,
 )
 from align.data.sampler import TokenBudgetSampler, pack_by_tokens, split_to_multiple
-from align.data.shards import PAIR_FORMAT, RowWidths, pair_arrays, read_shard, write_shard
+from align.data.shards import (
+    PAIR_FORMAT,
+    RowWidths,
+    layout_rows,
+    pack_pairs,
+    pair_arrays,
+    read_shard,
+    write_shard,
+)
 from align.data.tokenize import TokenizedPair
 from align.exit_codes import ConfigError
 
@@ -101,15 +110,37 @@ def test_row_widths_are_the_widest_batch_either_layout_collates(shard_path, tmp_
     assert RowWidths.of([]) is None
 
 
-@pytest.mark.parametrize("share_prompt", [False, True])
-def test_computed_tokens_are_the_positions_a_collated_batch_holds(share_prompt, tmp_path):
+@pytest.mark.parametrize("layout", PAIR_LAYOUTS)
+def test_computed_tokens_are_the_positions_a_collated_batch_holds(layout, tmp_path):
     pairs = make_pairs([(2, 3, 1), (2, 1, 4), (3, 2, 2), (1, 5, 1), (2, 1, 1)])
     path = tmp_path / "shared.safetensors"
     write_shard(path, pair_arrays([50, 51, 52, 53, 54], pairs, PAD), PAIR_FORMAT, split="train")
-    shard = preference_dataset(path, share_prompt)
-    for rows in (np.array([0, 1]), np.array([3]), np.array([4, 2, 0])):
+    shard = preference_dataset(path, layout)
+    for rows in (np.array([0, 1]), np.array([3]), np.array([4, 2, 0]), np.arange(5)):
         assert shard.computed_tokens(rows) == shard.collate(rows).input_ids.numel(), rows
     assert shard.computed_tokens(np.array([], dtype=np.int64)) == 0
+
+
+def test_pack_pairs_fills_rows_as_wide_as_the_widest_pair_widest_first():
+    widths = np.array([3, 9, 5, 4, 2, 9, 1])
+    rows = pack_pairs(widths)
+    assert rows == [[1], [5], [2, 3], [0, 4, 6]]
+    assert sorted(i for row in rows for i in row) == list(range(len(widths)))
+    assert all(widths[row].sum() <= widths.max() for row in rows)
+    assert layout_rows(widths, "packed") == 4
+    assert layout_rows(widths, "shared") == 7
+    assert layout_rows(widths, "padded") == 14
+
+
+def test_a_packed_batch_keeps_each_pairs_segments_and_positions_its_own(tmp_path):
+    pairs = make_pairs([(3, 2, 2), (1, 1, 2), (1, 1, 1)])  # shared widths 7, 4, 3
+    arrays = pair_arrays([50, 51, 52], pairs, PAD)
+    batch = collate_shared_prompt(arrays, np.arange(3), pack=True)
+    # The widest alone; the other two share the second row, in slots 0 and 1.
+    assert batch.segment_ids.tolist() == [[1, 1, 1, 2, 2, 3, 3], [1, 2, 3, 3, 4, 5, 6]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 4], [0, 1, 1, 2, 0, 1, 1]]
+    assert batch.pair_slots.tolist() == [0, 2, 3]  # (row, slot) as row * 2 + slot
+    assert batch.num_loss_tokens == collate_preference(arrays, np.arange(3)).num_loss_tokens
 
 
 def test_a_steps_tokens_are_its_fullest_rank_in_each_micro_step(shard_path):

@@ -263,7 +263,7 @@ def test_the_datas_longest_row_bounds_the_rows_a_stage_is_projected_to_score(pla
     widths = RowWidths(padded=300, shared=500)
     assert job_shape("ref_cache", cpu_arm()).row_tokens == 1024
     assert job_shape("ref_cache", cpu_arm(), widths=widths).row_tokens == 300
-    shared = cpu_arm("--ref.share_prompt=true")
+    shared = cpu_arm("--ref.layout=packed")
     assert job_shape("ref_cache", shared, widths=widths).row_tokens == 500
     assert job_shape("ref_cache", shared, widths=RowWidths(3000, 3000)).row_tokens == 2048
     narrow = projected_job_rss(job_shape("ref_cache", cpu_arm(), widths=widths), planned, 0)

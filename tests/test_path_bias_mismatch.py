@@ -3,7 +3,7 @@ does not demands a cache built by the training path, and the DPO run trains on i
 
 Library level on a tiny model: policy = reference, so through a matching path every
 pair's step-0 DPO loss is ln 2; through bfloat16 the bias is over the tolerance.
-End to end on the session's finished workflow: training in bfloat16 and the prefix-shared
+End to end on the session's finished workflow: training in bfloat16 and the packed
 layout against the float32 padded cache makes path_bias.json say recompute, the
 re-evaluated DAG adds the ref_cache job of the training path (dtype and layout), and
 the arm result names that cache.
@@ -109,7 +109,7 @@ def assert_step0_losses_are_ln2(tiny: dict, cfg: ArmConfig) -> None:
     info = start_session(tiny["work"], cfg.run, cfg.batch)
     policy = load_policy(tiny["checkpoint"], cfg.model, info, cfg.trainer)
     policy.train()
-    shard = PairShard(tiny["shard"], cfg.batch.share_prompt)
+    shard = PairShard(tiny["shard"], cfg.batch.layout)
     ref_chosen, ref_rejected = map(
         torch.from_numpy, load_ref_cache(tiny["cache"], tiny["key"], shard.pair_ids)
     )
@@ -125,25 +125,27 @@ def assert_step0_losses_are_ln2(tiny: dict, cfg: ArmConfig) -> None:
     assert float((losses - math.log(2)).abs().max()) <= 1e-6, losses
 
 
-def test_prefix_shared_training_against_a_padded_cache_is_accepted(tiny):
-    cfg = training_config("--batch.share_prompt=true")
+@pytest.mark.parametrize("layout", ["shared", "packed"])
+def test_prefix_shared_training_against_a_padded_cache_is_accepted(tiny, layout):
+    cfg = training_config(f"--batch.layout={layout}")
     figures = path_bias(tiny, cfg)
     assert figures["action"] == ACCEPT, figures
-    print(f"shared b4 vs padded cache b16: mean |margin| {figures['mean_abs']:.2e}")
-    assert figures["training_forward_impl"] == "sdpa-fp32-b4-shared"
+    print(f"{layout} b4 vs padded cache b16: mean |margin| {figures['mean_abs']:.2e}")
+    assert figures["training_forward_impl"] == f"sdpa-fp32-b4-{layout}"
     assert_step0_losses_are_ln2(tiny, cfg)
 
 
-def test_a_prefix_shared_precompute_matches_the_padded_cache(tiny):
-    impl = "sdpa-fp32-b16-shared"
+@pytest.mark.parametrize("layout", ["shared", "packed"])
+def test_a_prefix_shared_precompute_matches_the_padded_cache(tiny, layout):
+    impl = f"sdpa-fp32-b16-{layout}"
     key = expected_key(
         tiny["checkpoint"], tiny["shard"], SEQ, "prompt_left_response_right", "float32", impl
     )
-    cache = tiny["work"] / "ref_shared" / "train.safetensors"
+    cache = tiny["work"] / f"ref_{layout}" / "train.safetensors"
     precompute_ref_caches(
         tiny["checkpoint"],
         [(str(tiny["shard"]), cache, key)],
-        RefConfig(batch_size=16, share_prompt=True),
+        RefConfig(batch_size=16, layout=layout),
         RunConfig(threads=1),
         tiny["work"],
     )
@@ -184,20 +186,20 @@ def test_a_cache_key_that_names_another_dtype_than_the_reference_computes_is_ref
 # --- end to end on a copy of the finished workflow ---------------------------------------
 
 ARM = "argilla"
-TRAINING_IMPL = "sdpa-bf16-b4-shared"
+TRAINING_IMPL = "sdpa-bf16-b4-packed"
 # Only mtimes decide what reruns: the copied arm configs are dated before every output,
 # so nothing but the forced path_bias and what depends on it runs again.
 MTIME_ONLY = ("--rerun-triggers=mtime",)
 
 
 def bf16_arm(source: str) -> str:
-    """The argilla pre-registration trained in bfloat16 on prefix-shared rows, and briefly
-    (this checks wiring)."""
+    """The argilla pre-registration trained in bfloat16 on packed rows, and briefly (this
+    checks wiring)."""
     edited = source.replace('[model]\ndtype = "float32"', '[model]\ndtype = "bfloat16"')
-    edited = edited.replace("[batch]\n", "[batch]\nshare_prompt = true\n")
+    edited = edited.replace("[batch]\n", '[batch]\nlayout = "packed"\n')
     edited = edited.replace("length_drift = true", "length_drift = false")
     edited = edited.replace("generation = true", "generation = false")
-    changes = ("share_prompt = true", "length_drift = false", "generation = false")
+    changes = ('layout = "packed"', "length_drift = false", "generation = false")
     for change in ('[model]\ndtype = "bfloat16"', *changes):
         assert change in edited, change
     disarmed = (
@@ -229,7 +231,7 @@ def bf16_workflow(finished_workflow, tmp_path) -> tuple[Path, tuple[str, ...]]:
 
 
 @pytest.mark.slow
-def test_bfloat16_shared_training_recomputes_the_cache_with_its_layout_and_trains_on_it(
+def test_bfloat16_packed_training_recomputes_the_cache_with_its_layout_and_trains_on_it(
     bf16_workflow,
 ):
     work, args = bf16_workflow

@@ -29,6 +29,8 @@ TOLERANCE = 1e-5
 # (prompt, chosen response, rejected response) token counts: ragged, with 1-token responses.
 RAGGED = [(5, 7, 3), (2, 1, 9), (8, 4, 1), (1, 1, 1), (6, 10, 6)]
 NO_PROMPT = [(0, 4, 3), (3, 2, 5)]
+# Shared widths 26, 6, 7, 3, 9, 11: packed as [26], [11, 9, 6], [7, 3].
+PACKABLE = [(12, 8, 6), (2, 3, 1), (4, 1, 2), (1, 1, 1), (3, 2, 4), (5, 3, 3)]
 
 
 def pair_arrays(lengths: list[tuple[int, int, int]], seed: int = 0) -> dict[str, np.ndarray]:
@@ -96,12 +98,19 @@ def test_segment_mask_keeps_rejected_blind_to_chosen_and_windows_by_position():
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("lengths", [RAGGED, NO_PROMPT], ids=["ragged", "no_prompt"])
-def test_shared_logps_and_dpo_gradients_match_the_unshared_rows(attn, lengths):
+@pytest.mark.parametrize(
+    "lengths, pack",
+    [(RAGGED, False), (NO_PROMPT, False), (PACKABLE, True), ([*NO_PROMPT, (0, 1, 2)], True)],
+    ids=["ragged", "no_prompt", "packed", "packed_no_prompt"],
+)
+def test_shared_logps_and_dpo_gradients_match_the_unshared_rows(attn, lengths, pack):
     torch.manual_seed(0)
     arrays = pair_arrays(lengths, seed=1)
-    rows = np.arange(len(lengths))
-    shared, plain = collate_shared_prompt(arrays, rows), collate_preference(arrays, rows)
+    rows = np.arange(len(lengths))[::-1]  # pairs come back in the order asked for
+    shared = collate_shared_prompt(arrays, rows, pack=pack)
+    plain = collate_preference(arrays, rows)
+    if pack:
+        assert shared.input_ids.shape[0] < len(rows)  # some row holds several pairs
     assert shared.input_ids.shape[1] > 6  # the window below is shorter than the sequence
     model = tiny_model(sliding_window=6, attn=attn)
     ref_chosen, ref_rejected = torch.randn(len(rows)) - 20, torch.randn(len(rows)) - 20
@@ -129,18 +138,20 @@ def test_shared_logps_and_dpo_gradients_match_the_unshared_rows(attn, lengths):
 def test_pair_shard_collates_the_switched_layout(tmp_path):
     path = tmp_path / "pairs.safetensors"
     write_shard(path, pair_arrays(RAGGED), PAIR_FORMAT)
-    shared, plain = PairShard(path, share_prompt=True), PairShard(path)
-    assert (shared.share_prompt, plain.share_prompt) == (True, False)
+    shared, plain = PairShard(path, "shared"), PairShard(path)
+    assert (shared.layout, plain.layout) == ("shared", "padded")
     assert shared.collate(np.arange(2)).segment_ids is not None
     assert plain.collate(np.arange(2)).segment_ids is None
-    check_shard_layout(shared, BatchConfig(share_prompt=True))
+    check_shard_layout(shared, BatchConfig(layout="shared"))
     check_shard_layout(plain, BatchConfig())
-    with pytest.raises(ConfigError, match="opened with share_prompt=False"):
-        check_shard_layout(plain, BatchConfig(share_prompt=True))
-    with pytest.raises(ConfigError, match="opened with share_prompt=True"):
+    with pytest.raises(ConfigError, match="opened with layout 'padded'"):
+        check_shard_layout(plain, BatchConfig(layout="shared"))
+    with pytest.raises(ConfigError, match="opened with layout 'shared'"):
         check_shard_layout(shared, BatchConfig())
     with pytest.raises(ConfigError, match="needs preference pairs; SftShard"):
-        check_shard_layout(SftShard({}), BatchConfig(share_prompt=True))
+        check_shard_layout(SftShard({}), BatchConfig(layout="packed"))
+    with pytest.raises(ValueError, match="pair layout must be one of"):
+        PairShard(path, "two_rows")
 
 
 def test_refuses_pairs_whose_prompts_differ():
@@ -154,7 +165,7 @@ def test_triton_fa2_refuses_the_shared_layout_by_name():
     model = tiny_model(sliding_window=None, attn="sdpa")
     model.attn_implementation = "triton_fa2"  # the mask is chosen before any kernel runs
     batch = collate_shared_prompt(pair_arrays(RAGGED), np.arange(2))
-    with pytest.raises(ValueError, match=r"'triton_fa2'.*prefix-shared layout"):
+    with pytest.raises(ValueError, match=r"'triton_fa2'.*shared and packed layouts"):
         sequence_logps_and_counts(model, batch)
 
 

@@ -12,6 +12,7 @@ from conftest import run_snakemake
 from align.paths import SPLITS, RunPaths
 from align.receipts import PASSED, hash_file, load_receipt
 from align.stages.gates import GATE_NAMES
+from align.stages.selection_result import SelectionResult
 from align.utils.guard import cpu_isa_here
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,11 +90,11 @@ def test_dpo_policy_beats_sft_on_held_out_pairs(workdir, arm):
 def test_the_default_selects_a_policy_whose_generations_end_and_shows_a_wire_and_its_rerun(
     workdir,
 ):
-    selection = json.loads((workdir / "results" / "selection.json").read_text())
-    selected = selection["decision"]["selected"]
-    assert selection["status"] == PASSED and selected in ARMS, selection["decision"]
-    band = selection["figures"]["generation_band"]
-    generation = selection["figures"]["policies"][selected]["generation"]
+    selection = SelectionResult.read(workdir / "results" / "selection.json")
+    selected = selection.selected
+    assert selection.status == PASSED and selected in ARMS, selection.decision
+    band = selection.figures["generation_band"]
+    generation = selection.figures["policies"][selected]["generation"]
     assert generation["terminated_fraction"] >= band["min_terminated_fraction"], generation
     low, high = band["mean_tokens"]
     assert low <= generation["mean_tokens"] <= high, (generation, band)

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from align.data.shards import layout_rows
+
 # A block of rows, or None: a padding forward of `padding_rows` whose result is dropped.
 Block = np.ndarray | None
 
@@ -73,12 +75,13 @@ def sample_rows(n: int, sample_pairs: int, seed: int) -> np.ndarray:
 
 
 def forward_shapes(
-    widths: np.ndarray, blocks: list[Block], pad: np.ndarray, rows_per_item: int
+    widths: np.ndarray, blocks: list[Block], pad: np.ndarray, layout: str
 ) -> set[tuple[int, int]]:
-    """(rows, width) of each forward of `blocks`: a batch pads its rows to its widest."""
+    """(rows, width) of each forward of `blocks` in `layout` (`widths` its pair widths):
+    a batch pads its rows to its widest pair."""
     shapes = set()
     for block in blocks:
         rows = block if block is not None else pad
         if len(rows):
-            shapes.add((rows_per_item * len(rows), int(widths[rows].max())))
+            shapes.add((layout_rows(widths[rows], layout), int(widths[rows].max())))
     return shapes

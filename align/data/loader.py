@@ -2,9 +2,10 @@
 
 `collate_preference` puts chosen rows first and rejected rows second in one batch,
 so one forward serves both; sequences are cropped to the batch's longest row.
-`collate_shared_prompt` is the prefix-shared layout (`batch.share_prompt`): one row
-per pair, [prompt | chosen response | rejected response], the prompt run once; its
-labels score the same tokens, so the model returns the same [2b] log-probs.
+`collate_shared_prompt` is the `shared` layout: one row per pair, [prompt | chosen
+response | rejected response], the prompt run once; and the `packed` layout: several such
+pairs per row, as many as fit the batch's widest (`batch.layout`). Their labels score the
+same tokens, so the model returns the same [2b] log-probs.
 `preference_dataset`, `collate_preference` and `make_preference_sampler` are the
 entry points for reading a pair shard outside the trainer.
 """
@@ -18,18 +19,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from align.constants import BRANCH_SEGMENT, IGNORE_INDEX, PAD_SEGMENT, PREFIX_SEGMENT
+from align.constants import (
+    IGNORE_INDEX,
+    PAD_SEGMENT,
+    PAIR_LAYOUTS,
+    PREFIX_SEGMENT,
+    SEGMENTS_PER_PAIR,
+)
 from align.data.sampler import TokenBudgetSampler
-from align.data.shards import pair_row_widths, read_shard
+from align.data.shards import layout_rows, pack_pairs, pair_row_widths, read_shard
+from align.kernels.segments import prefix_of
 
 
 @dataclass
 class TokenBatch:
     """Right-padded rows; `loss_mask[i, t]` marks tokens t whose prediction is scored.
 
-    The prefix-shared layout also carries `position_ids` and `segment_ids` [B, T] for
-    the model's forward and its shifted `labels` [2, B, T] (chosen, rejected), which
-    then replace shift_labels(input_ids, loss_mask).
+    The shared and packed layouts also carry `position_ids` and `segment_ids` [B, T] for
+    the model's forward, its shifted `labels` [2, B, T] (chosen, rejected), which then
+    replace shift_labels(input_ids, loss_mask), and `pair_slots` [pairs]: where each pair
+    of `rows` is among the model's per-(row, slot) results (see align.eval.logprobs).
     """
 
     input_ids: torch.Tensor
@@ -39,6 +48,7 @@ class TokenBatch:
     position_ids: torch.Tensor | None = None
     segment_ids: torch.Tensor | None = None
     labels: torch.Tensor | None = None
+    pair_slots: torch.Tensor | None = None
 
     @property
     def num_loss_tokens(self) -> int:
@@ -80,56 +90,89 @@ def collate_preference(arrays: dict[str, np.ndarray], rows: np.ndarray) -> Token
     return _batch(ids, lengths, prompt, rows)
 
 
-def collate_shared_prompt(arrays: dict[str, np.ndarray], rows: np.ndarray) -> TokenBatch:
-    """One row per pair at `rows`: [prompt | chosen response | rejected response].
+def collate_shared_prompt(
+    arrays: dict[str, np.ndarray], rows: np.ndarray, pack: bool = False
+) -> TokenBatch:
+    """The pairs at `rows` as prefix-shared rows [prompt | chosen | rejected], one pair per
+    row, or with `pack` as many pairs per row as fit the widest pair (`pack_pairs`).
 
-    Position ids restart the rejected response after the prompt; labels set 0 scores the
-    chosen response, set 1 the rejected one, whose first token is predicted from the last
-    prompt token. Refuses a pair whose chosen and rejected prompts differ.
+    Position ids restart the rejected response after the prompt; label set 0 scores every
+    chosen response, set 1 every rejected one, whose first token is predicted from the last
+    prompt token. `pair_slots` maps each pair to its (row, slot) in the model's per-pair
+    results. Refuses a pair whose chosen and rejected prompts differ.
     """
     rows = np.asarray(rows)
     chosen, rejected = arrays["chosen_ids"][rows], arrays["rejected_ids"][rows]
-    prompt = arrays["prompt_len"][rows].astype(np.int64)[:, None]
-    chosen_end = arrays["chosen_len"][rows].astype(np.int64)[:, None]
-    length = chosen_end + arrays["rejected_len"][rows][:, None] - prompt
-    _check_shared_prompts(chosen, rejected, prompt, arrays["pair_id"][rows])
-    width = int(length.max())
-    pos = np.arange(width)[None, :]
-    real = pos < length
-    in_chosen = pos < chosen_end
-    # Each token's index in its own unshared row: rejected token t, at packed position
-    # chosen_end + t, is index prompt + t. That index is also its position id.
-    own_index = np.where(in_chosen, pos, pos - chosen_end + prompt)
-    source = own_index.clip(0, chosen.shape[1] - 1)
-    ids = np.where(in_chosen, _take(chosen, source), _take(rejected, source))
-    ids = np.where(real, ids, chosen[:, -1:])  # padding: any id; nothing reads it
-    segments = np.select(
-        [pos < prompt, in_chosen, real],
-        [PREFIX_SEGMENT, BRANCH_SEGMENT, BRANCH_SEGMENT + 1],
-        PAD_SEGMENT,
-    )
-    positions = np.where(real, own_index, 0)
-    nxt = np.concatenate([ids[:, 1:], ids[:, -1:]], axis=1)  # the token after each position
-    target = pos + 1
-    chosen_labels = np.where((target >= prompt) & (target < chosen_end), nxt, IGNORE_INDEX)
-    rejected_labels = np.where((target > chosen_end) & (target < length), nxt, IGNORE_INDEX)
-    # The first rejected token is predicted by the last prompt token (none without a prompt).
-    first = (prompt[:, 0] >= 1) & (length[:, 0] > chosen_end[:, 0])
-    rejected_labels[first, prompt[first, 0] - 1] = ids[first, chosen_end[first, 0]]
-    labels = np.stack([chosen_labels, rejected_labels])
+    prompt = arrays["prompt_len"][rows].astype(np.int64)
+    chosen_end = arrays["chosen_len"][rows].astype(np.int64)
+    rejected_end = arrays["rejected_len"][rows].astype(np.int64)
+    _check_shared_prompts(chosen, rejected, prompt[:, None], arrays["pair_id"][rows])
+    lengths = chosen_end + rejected_end - prompt
+    groups = pack_pairs(lengths) if pack else [[i] for i in range(len(rows))]
+    shape = (len(groups), int(lengths.max()))
+    ids = np.zeros(shape, np.int64)  # padding: any id; nothing reads it
+    positions = np.zeros(shape, np.int64)
+    segments = np.full(shape, PAD_SEGMENT, np.int64)
+    labels = np.full((2, *shape), IGNORE_INDEX, np.int64)
+    slots_per_row = max(map(len, groups))
+    pair_slots = np.empty(len(rows), np.int64)
+    for r, group in enumerate(groups):
+        offset = 0
+        for slot, i in enumerate(group):
+            p, c, end = int(prompt[i]), int(chosen_end[i]), int(rejected_end[i])
+            row = _PairRow(r, offset, PREFIX_SEGMENT + slot * SEGMENTS_PER_PAIR, p, c)
+            row.lay_out(chosen[i, :c], rejected[i, p:end], ids, positions, segments, labels)
+            pair_slots[i] = r * slots_per_row + slot
+            offset += c + end - p
+    real = segments != PAD_SEGMENT
     return TokenBatch(
-        input_ids=torch.from_numpy(ids.astype(np.int64)),
+        input_ids=torch.from_numpy(ids),
         attention_mask=torch.from_numpy(real.astype(np.int64)),
-        loss_mask=torch.from_numpy((pos >= prompt) & real),
+        loss_mask=torch.from_numpy(real & (segments != prefix_of(segments))),
         rows=rows,
-        position_ids=torch.from_numpy(positions.astype(np.int64)),
-        segment_ids=torch.from_numpy(segments.astype(np.int64)),
-        labels=torch.from_numpy(labels.astype(np.int64)),
+        position_ids=torch.from_numpy(positions),
+        segment_ids=torch.from_numpy(segments),
+        labels=torch.from_numpy(labels),
+        pair_slots=torch.from_numpy(pair_slots),
     )
 
 
-def _take(ids: np.ndarray, columns: np.ndarray) -> np.ndarray:
-    return np.take_along_axis(ids, columns, axis=1)
+@dataclass(frozen=True)
+class _PairRow:
+    """Where one pair lies in a shared or packed row: the row, its first column, its
+    prefix's segment id, its prompt length and its chosen sequence's (prompt included)."""
+
+    row: int
+    offset: int
+    prefix_segment: int
+    prompt: int
+    chosen_end: int
+
+    def lay_out(self, chosen, rejected_response, ids, positions, segments, labels) -> None:
+        """Write [prompt | chosen response | rejected response] and its two label sets."""
+        r, o, p, c = self.row, self.offset, self.prompt, self.chosen_end
+        end = c + len(rejected_response)  # the pair's width in the row
+        ids[r, o : o + c] = chosen
+        ids[r, o + c : o + end] = rejected_response
+        positions[r, o : o + c] = np.arange(c)
+        positions[r, o + c : o + end] = np.arange(p, p + len(rejected_response))
+        segments[r, o : o + p] = self.prefix_segment
+        segments[r, o + p : o + c] = self.prefix_segment + 1
+        segments[r, o + c : o + end] = self.prefix_segment + 2
+        # Position t predicts the token at t + 1; the first token of a prompt-less
+        # sequence is predicted by nothing.
+        first = max(p, 1)
+        labels[0, r, o + first - 1 : o + c - 1] = chosen[first:c]
+        labels[1, r, o + c : o + end - 1] = rejected_response[1:]
+        if p >= 1 and end > c:
+            labels[1, r, o + p - 1] = rejected_response[0]
+
+
+def collate_pairs(arrays: dict[str, np.ndarray], rows: np.ndarray, layout: str) -> TokenBatch:
+    """The pairs at `rows` in `layout` (align.constants.PAIR_LAYOUTS)."""
+    if layout == "padded":
+        return collate_preference(arrays, rows)
+    return collate_shared_prompt(arrays, rows, pack=layout == "packed")
 
 
 def _check_shared_prompts(
@@ -140,7 +183,7 @@ def _check_shared_prompts(
     bad = np.flatnonzero(differs.any(axis=1))
     if len(bad):
         raise ValueError(
-            f"batch.share_prompt needs one prompt per pair, but pair_id {int(pair_ids[bad[0]])} "
+            f"the shared and packed layouts need one prompt per pair, but pair_id {int(pair_ids[bad[0]])} "
             f"has different chosen and rejected prompt tokens ({len(bad)} such pairs in the batch)"
         )
 
@@ -148,14 +191,16 @@ def _check_shared_prompts(
 class PairShard:
     """A memory-mapped preference shard; rows addressed by index, pairs by `pair_ids`.
 
-    `share_prompt` picks the prefix-shared layout for every batch it collates.
+    `layout` (align.constants.PAIR_LAYOUTS) is how every batch it collates lays pairs out.
     """
 
-    def __init__(self, path: str | Path, share_prompt: bool = False):
+    def __init__(self, path: str | Path, layout: str = "padded"):
+        if layout not in PAIR_LAYOUTS:
+            raise ValueError(f"pair layout must be one of {PAIR_LAYOUTS}, got {layout!r}")
         self.path = Path(path)
         self.arrays = read_shard(self.path)
         self.pair_ids = self.arrays["pair_id"]
-        self.share_prompt = share_prompt
+        self.layout = layout
 
     def __len__(self) -> int:
         return len(self.pair_ids)
@@ -163,24 +208,22 @@ class PairShard:
     @property
     def pair_widths(self) -> np.ndarray:
         """Each pair's padded width in a batch: its longer sequence, prompt included."""
-        return pair_row_widths(self.arrays, shared=False)
+        return pair_row_widths(self.arrays, "padded")
 
     def collate(self, rows: np.ndarray) -> TokenBatch:
-        if self.share_prompt:
-            return collate_shared_prompt(self.arrays, rows)
-        return collate_preference(self.arrays, rows)
+        return collate_pairs(self.arrays, rows, self.layout)
 
     def computed_tokens(self, rows: np.ndarray) -> int:
         """Positions the collated batch of `rows` holds, padding included, without collating."""
         if not len(rows):
             return 0
-        widths = pair_row_widths(self.arrays, self.share_prompt)[rows]
-        return (1 if self.share_prompt else 2) * len(rows) * int(widths.max())
+        widths = pair_row_widths(self.arrays, self.layout)[rows]
+        return layout_rows(widths, self.layout) * int(widths.max())
 
 
-def preference_dataset(path: str | Path, share_prompt: bool = False) -> PairShard:
+def preference_dataset(path: str | Path, layout: str = "padded") -> PairShard:
     """Open a pair shard written by the build stage, memory-mapped."""
-    return PairShard(path, share_prompt)
+    return PairShard(path, layout)
 
 
 def make_preference_sampler(

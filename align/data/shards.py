@@ -116,18 +116,45 @@ class RowWidths:
         if not len(arrays["pair_id"]):
             return cls(0, 0)
         return cls(
-            int(pair_row_widths(arrays, shared=False).max()),
-            int(pair_row_widths(arrays, shared=True).max()),
+            int(pair_row_widths(arrays, "padded").max()),
+            int(pair_row_widths(arrays, "shared").max()),
         )
 
 
-def pair_row_widths(arrays: dict[str, np.ndarray], shared: bool) -> np.ndarray:
-    """Each pair's row width in a batch: its longer sequence, prompt included, as two rows;
-    the prompt then both responses, as one prefix-shared row."""
+def pair_row_widths(arrays: dict[str, np.ndarray], layout: str) -> np.ndarray:
+    """Each pair's width in a batch of `layout` (align.constants.PAIR_LAYOUTS): its longer
+    sequence, prompt included, as two padded rows; the prompt then both responses, shared
+    or packed."""
     chosen, rejected = arrays["chosen_len"].astype(np.int64), arrays["rejected_len"]
-    if shared:
+    if layout != "padded":
         return chosen + rejected - arrays["prompt_len"]
     return np.maximum(chosen, rejected)
+
+
+def pack_pairs(widths: np.ndarray) -> list[list[int]]:
+    """Indices of `widths` grouped into rows no wider than the widest, first fit decreasing:
+    the fewest rows this greedy rule finds, fixed by the widths and their order."""
+    capacity = int(widths.max())
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for index in np.argsort(-widths, kind="stable"):
+        width = int(widths[index])
+        fits = next((r for r, left in enumerate(room) if width <= left), None)
+        if fits is None:
+            rows.append([int(index)])
+            room.append(capacity - width)
+        else:
+            rows[fits].append(int(index))
+            room[fits] -= width
+    return rows
+
+
+def layout_rows(widths: np.ndarray, layout: str) -> int:
+    """Rows a batch of pairs of these `pair_row_widths` takes in `layout`, each as wide as
+    the widest pair."""
+    if layout == "padded":
+        return 2 * len(widths)
+    return len(pack_pairs(widths)) if layout == "packed" else len(widths)
 
 
 class GrowingArray:

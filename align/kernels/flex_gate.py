@@ -3,8 +3,8 @@
 `run_gate` compares the backend on seeded random inputs with scaled_dot_product_attention
 in float64 under the dense mask the sdpa backend would be given for the same rows
 (align.kernels.segments), over a pre-registered grid: shared-prompt rows
-(a prefix and two branches whose positions restart), right-padded rows with a single-token
-row, sliding windows, grouped-query heads, widths that end mid-block. It measures the
+(a prefix and two branches whose positions restart), packed rows (several such pairs),
+right-padded rows with a single-token row, sliding windows, grouped-query heads, widths that end mid-block. It measures the
 output and, where FlexAttention has a backward (CUDA), dq, dk and dv, each by
 max|flex - reference| / max|reference|, and times each shape's compilation. Receipts are
 keyed by this package's flex source, torch and the device (a CPU by the vector ISA inductor
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from align.constants import BRANCH_SEGMENT, GATED_ATTENTION, PAD_SEGMENT, PREFIX_SEGMENT
+from align.constants import GATED_ATTENTION, PAD_SEGMENT, PREFIX_SEGMENT, SEGMENTS_PER_PAIR
 from align.exit_codes import run_with_exit_codes
 from align.kernels import flex, gate
 from align.kernels.gate import AttentionShape, GateSpec
@@ -56,14 +56,15 @@ KEY_COMPONENTS = {
 @dataclass(frozen=True)
 class FlexShape(AttentionShape):
     """One pre-registered case. Each row is its segments' lengths: one length is a plain
-    row, three are a shared-prompt row (prefix, chosen, rejected); the rest is padding."""
+    row; each three are a pair (prefix, chosen, rejected), so six are a packed row of two;
+    the rest is padding."""
 
     rows: tuple[tuple[int, ...], ...]
     window: int | None
     backward: bool
 
 
-SHARED_300 = ((120, 90, 80), (200, 50, 40))
+SHARED_300 = ((120, 90, 80), (100, 30, 20, 60, 50, 40))  # a shared row, a packed row
 PADDED_129 = ((129,), (1,), (60,))
 # The CPU compiles each shape in about 20 s: three shapes that cover the layouts, in
 # float32, forward only (torch's FlexAttention has no CPU backward).
@@ -76,7 +77,17 @@ CPU_GRID: tuple[FlexShape, ...] = (
 CUDA_GRID: tuple[FlexShape, ...] = (
     FlexShape(2, 8, 2, 300, 64, "bfloat16", SHARED_300, 128, True),
     FlexShape(3, 4, 1, 129, 64, "bfloat16", PADDED_129, None, True),
-    FlexShape(2, 32, 8, 2048, 128, "bfloat16", ((1200, 500, 348), (1500, 300, 200)), 4096, True),
+    FlexShape(
+        2,
+        32,
+        8,
+        2048,
+        128,
+        "bfloat16",
+        ((1200, 500, 348), (900, 300, 200, 400, 150, 98)),
+        4096,
+        True,
+    ),
     FlexShape(2, 32, 8, 2048, 128, "bfloat16", ((2048,), (1237,)), 4096, True),
     FlexShape(1, 32, 8, 4096, 128, "bfloat16", ((2500, 900, 696),), 4096, True),
 )
@@ -142,17 +153,17 @@ def require_proven_flex(device: torch.device | str) -> dict[str, Any]:
 
 def segments_of(shape: FlexShape, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """segment_ids and position_ids [B, T] of the shape's rows, as the data loader lays
-    them out: branches follow the prefix, each with positions from the prefix's end."""
+    them out: each pair's branches follow its prefix, with positions from the prefix's end."""
     segments = torch.full((shape.batch, shape.length), PAD_SEGMENT, dtype=torch.long)
     positions = torch.zeros((shape.batch, shape.length), dtype=torch.long)
     for b, row in enumerate(shape.rows):
-        prefix, *branches = row
-        segments[b, :prefix] = PREFIX_SEGMENT
-        positions[b, :prefix] = torch.arange(prefix)
-        start = prefix
-        for index, width in enumerate(branches):
-            segments[b, start : start + width] = BRANCH_SEGMENT + index
-            positions[b, start : start + width] = torch.arange(prefix, prefix + width)
+        start = 0
+        for index, width in enumerate(row):
+            role = index % SEGMENTS_PER_PAIR  # 0 the prefix, 1 chosen, 2 rejected
+            prefix = row[index - role]
+            first = 0 if role == 0 else prefix
+            segments[b, start : start + width] = PREFIX_SEGMENT + index
+            positions[b, start : start + width] = torch.arange(first, first + width)
             start += width
     return segments.to(device), positions.to(device)
 

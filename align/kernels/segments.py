@@ -1,19 +1,20 @@
-"""The prefix-shared layout's attention rule, for every backend that takes a mask.
+"""The shared and packed layouts' attention rule, for every backend that takes a mask.
 
-One row holds a shared prefix and its branches (prompt | chosen | rejected), each branch's
-positions restarting after the prefix. A query attends to keys at or before it in the row
-that are in its own segment or in the prefix, never to padding; with a window, only to keys
-whose position is within it of its own. So each branch sees exactly what it would see as
-its own row after the prefix. A padded query sees only itself, so no row is fully masked
-(which would give NaN). `visible` states the rule once: the dense mask of sdpa and eager
-evaluates it on index grids, FlexAttention's mask function on single positions.
+A row holds one or more pairs, each a prefix and its branches (prompt | chosen | rejected),
+each branch's positions restarting after its prefix (align.constants' segment ids). A query
+attends to keys at or before it in the row that are in its own segment or in its own pair's
+prefix, never to padding or another pair; with a window, only to keys whose position is
+within it of its own. So each branch sees exactly what it would see as its own row after
+the prefix. A padded query sees only itself, so no row is fully masked (which would give
+NaN). `visible` states the rule once: the dense mask of sdpa and eager evaluates it on index
+grids, FlexAttention's mask function on single positions.
 """
 
 from __future__ import annotations
 
 import torch
 
-from align.constants import PAD_SEGMENT, PREFIX_SEGMENT
+from align.constants import PAD_SEGMENT, PREFIX_SEGMENT, SEGMENTS_PER_PAIR
 
 
 def visible(
@@ -27,12 +28,22 @@ def visible(
 ) -> torch.Tensor:
     """Whether each query attends to each key (broadcast elementwise)."""
     allowed = (key_index <= query_index) & (
-        (key_segment == query_segment) | (key_segment == PREFIX_SEGMENT)
+        (key_segment == query_segment) | (key_segment == prefix_of(query_segment))
     )
     allowed = allowed & (key_segment != PAD_SEGMENT) & (query_segment != PAD_SEGMENT)
     if sliding_window is not None:
         allowed = allowed & (query_position - key_position < sliding_window)
     return allowed | (query_index == key_index)
+
+
+def prefix_of(segment):
+    """The segment id of the prefix of the pair each segment id belongs to (tensor or array)."""
+    return segment - (segment - PREFIX_SEGMENT) % SEGMENTS_PER_PAIR
+
+
+def pair_slot(segment: torch.Tensor) -> torch.Tensor:
+    """Each token's pair within its row (0 for padding, which scores nothing)."""
+    return ((segment - PREFIX_SEGMENT) // SEGMENTS_PER_PAIR).clamp(min=0)
 
 
 def build_segment_mask(

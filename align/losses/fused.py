@@ -237,13 +237,27 @@ def fused_sequence_logps(
     weight: torch.Tensor,
     labels: torch.Tensor,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed label log-probs [B], scored token counts [B]) from hidden [B, T, H].
+    """(summed label log-probs [B], scored token counts [B]) from hidden [B, T, H]; with
+    `slots` [B, T] (each position's sequence within its row, 0 <= slot < S) the sums of
+    each row's sequences apart, [B * S] (row r's slot s at r * S + s).
 
     `labels[:, t]` is the token predicted at position t (see `shift_labels`).
     """
     token_logps = fused_token_logps(hidden, weight, labels, chunk_size)
-    return token_logps.sum(-1), (labels != IGNORE_INDEX).sum(-1)
+    scored = labels != IGNORE_INDEX
+    if slots is None:
+        return token_logps.sum(-1), scored.sum(-1)
+    if slots.shape != labels.shape:
+        raise ValueError(
+            f"slots {tuple(slots.shape)} must be shaped like labels {tuple(labels.shape)}"
+        )
+    width = int(slots.max()) + 1
+    sums = token_logps.new_zeros(labels.shape[0], width).scatter_add(1, slots, token_logps)
+    counts = scored.new_zeros(labels.shape[0], width, dtype=torch.long)
+    counts.scatter_add_(1, slots, scored.long())
+    return sums.flatten(), counts.flatten()
 
 
 def fused_nll(

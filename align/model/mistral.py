@@ -19,7 +19,7 @@ from torch import nn
 
 from align.constants import PAD_SEGMENT
 from align.kernels.flex import build_flex_mask, plain_segments
-from align.kernels.segments import build_segment_mask
+from align.kernels.segments import build_segment_mask, pair_slot
 from align.losses.fused import DEFAULT_CHUNK_SIZE, fused_sequence_logps
 from align.model.attention import MASKED_DECODING, attention, select_attn_implementation
 from align.model.hf_config import MistralConfig
@@ -162,7 +162,8 @@ class NmoMistralForCausalLM(nn.Module):
         or with shifted `labels` [B, T] (see align.losses.fused.shift_labels) the summed label
         log-probs and scored-token counts [B], chunk by chunk, never materializing [B, T, V].
         `labels` [K, B, T] are K label sets over the same hidden states: results [K * B],
-        set 0's rows first.
+        set 0's rows first; with `segment_ids`, each row's pairs are summed apart: results
+        [K * B * S] for rows of up to S pairs, set-major, then row, then pair.
 
         `attention_mask` is [B, T], 1 for real tokens and 0 for right padding. The
         prefix-shared layout passes `position_ids` and `segment_ids` [B, T] together (see
@@ -192,7 +193,7 @@ class NmoMistralForCausalLM(nn.Module):
             cache.advance()
         hidden = self.norm(x)
         if labels is not None:
-            return self._label_logps(hidden, labels, loss_chunk_size)
+            return self._label_logps(hidden, labels, loss_chunk_size, segment_ids)
         return hidden if return_hidden else self.lm_head(hidden)
 
     def _require_cacheable(self, segment_ids: torch.Tensor | None) -> None:
@@ -222,9 +223,9 @@ class NmoMistralForCausalLM(nn.Module):
             if self.attn_implementation == "triton_fa2":
                 raise ValueError(
                     "attention backend 'triton_fa2' masks only causally and by key lengths; "
-                    "the prefix-shared layout (segment_ids, batch.share_prompt) needs a "
+                    "the shared and packed layouts (segment_ids, batch.layout) need a "
                     "segment-aware mask: use 'sdpa', 'eager' or 'flex', or set "
-                    "batch.share_prompt = false"
+                    "batch.layout = 'padded'"
                 )
             if attention_mask is not None and not torch.equal(
                 attention_mask.bool(), segment_ids != PAD_SEGMENT
@@ -249,15 +250,21 @@ class NmoMistralForCausalLM(nn.Module):
         return build_segment_mask(segment_ids, position_ids, self.config.sliding_window)
 
     def _label_logps(
-        self, hidden: torch.Tensor, labels: torch.Tensor, chunk_size: int
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        chunk_size: int,
+        segment_ids: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = self.lm_head.weight
         if labels.dim() == 2:
-            return fused_sequence_logps(hidden, self.lm_head.weight, labels, chunk_size)
+            return fused_sequence_logps(hidden, weight, labels, chunk_size)
         if labels.dim() != 3:
             raise ValueError(f"labels must be [B, T] or [K, B, T], got {tuple(labels.shape)}")
+        slots = None if segment_ids is None else pair_slot(segment_ids)
         # One call per set: sets may score the same position (a branch's first token is
         # predicted from the prefix's last), which one label per position cannot express.
-        sets = [fused_sequence_logps(hidden, self.lm_head.weight, s, chunk_size) for s in labels]
+        sets = [fused_sequence_logps(hidden, weight, s, chunk_size, slots) for s in labels]
         return torch.cat([logps for logps, _ in sets]), torch.cat([counts for _, counts in sets])
 
 

@@ -284,7 +284,7 @@ def paired_figure(summary: RunSummary) -> Figure:
     selection = summary.selection
     if selection is None:
         return message_figure("paired evaluation", f"selection.json {NOT_RECORDED}")
-    figures, decision = selection["figures"], selection["decision"]
+    figures, decision = selection.figures, selection.decision
     fig = blank_figure()
     axes = fig.subplot_mosaic([["accuracy", "length"], ["difference", "difference"]])
     fig.suptitle(

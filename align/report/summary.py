@@ -22,6 +22,7 @@ from align.data.manifest import Manifest
 from align.paths import FIRST_RUN, RERUN, ArmPaths, RunPaths
 from align.stages.arm_result import ArmResult
 from align.stages.select import NOT_RECORDED, arm_standing
+from align.stages.selection_result import SelectionResult
 
 
 def read_json_if_present(path: Path) -> dict[str, Any] | None:
@@ -108,7 +109,7 @@ class RunSummary:
     results_dir: Path
     sft_gate: dict[str, Any] | None
     manifest: Manifest | None
-    selection: dict[str, Any] | None
+    selection: SelectionResult | None
     arms: list[ArmRecord] = field(default_factory=list)
 
 
@@ -126,7 +127,7 @@ def gather(results_dir: str | Path, arms: Sequence[str] | None = None) -> RunSum
         results_dir=paths.results,
         sft_gate=read_json_if_present(paths.sft_gate),
         manifest=manifest,
-        selection=read_json_if_present(paths.selection),
+        selection=SelectionResult.read(paths.selection),
     )
     for arm in arms or discover_arms(paths, manifest):
         summary.arms.append(arm_record(paths.arm(arm)))
@@ -203,7 +204,7 @@ def probe_cell(record: ArmRecord) -> str:
     return f"median {statistics.median(times):.3f} s/step ({len(times)} steps)"
 
 
-def arms_section(arms: Sequence[ArmRecord], selection: dict[str, Any] | None) -> Section:
+def arms_section(arms: Sequence[ArmRecord], selection: SelectionResult | None) -> Section:
     headers = [
         "arm",
         "status",
@@ -225,7 +226,7 @@ def arms_section(arms: Sequence[ArmRecord], selection: dict[str, Any] | None) ->
         held = record.result.held_out
         last = record.metrics[-1] if record.metrics else {}
         # The selection judges generations too, so its standing is the last word.
-        judged = (selection or {}).get("arms", {}).get(record.arm, record.standing)
+        judged = selection.arms.get(record.arm, record.standing) if selection else record.standing
         rows.append(
             [
                 record.arm,
@@ -304,7 +305,7 @@ def runs_section(arms: Sequence[ArmRecord]) -> Section:
     )
 
 
-def gates_section(arms: Sequence[ArmRecord], selection: dict[str, Any] | None) -> Section:
+def gates_section(arms: Sequence[ArmRecord], selection: SelectionResult | None) -> Section:
     rows = [
         [record.arm, g["gate"], g["status"], f"{g['ms']:.2f}"]
         for record in arms
@@ -312,10 +313,7 @@ def gates_section(arms: Sequence[ArmRecord], selection: dict[str, Any] | None) -
         for g in record.result.gates
     ]
     if selection is not None:
-        rows += [
-            ["select_arms", g["gate"], g["status"], f"{g['ms']:.2f}"]
-            for g in selection.get("gates", [])
-        ]
+        rows += [["select_arms", g["gate"], g["status"], f"{g['ms']:.2f}"] for g in selection.gates]
     return Section("Gates", ["stage", "gate", "status", "ms"], rows)
 
 
@@ -387,10 +385,10 @@ def comparison_row(c: dict[str, Any]) -> list[str]:
     ]
 
 
-def paired_sections(selection: dict[str, Any] | None) -> list[Section]:
+def paired_sections(selection: SelectionResult | None) -> list[Section]:
     if selection is None:
         return [Section("Paired evaluation", [], [], [f"selection.json: {NOT_RECORDED}"])]
-    figures = selection["figures"]
+    figures = selection.figures
     policies = figures["policies"]
     names = policy_order(figures)
     methods = {}
@@ -457,7 +455,7 @@ def band_note(band: dict[str, Any] | None) -> str:
     )
 
 
-def selection_section(selection: dict[str, Any] | None) -> Section:
+def selection_section(selection: SelectionResult | None) -> Section:
     headers = [
         "arm",
         "status",
@@ -471,12 +469,12 @@ def selection_section(selection: dict[str, Any] | None) -> Section:
     ]
     if selection is None:
         return Section("Selection", headers, [], [f"selection: {NOT_RECORDED}"])
-    decision = selection["decision"]
-    policies = selection.get("figures", {}).get("policies", {})
-    rows = [selection_row(arm, s, policies.get(arm)) for arm, s in selection["arms"].items()]
+    decision = selection.decision
+    policies = selection.figures.get("policies", {})
+    rows = [selection_row(arm, s, policies.get(arm)) for arm, s in selection.arms.items()]
     notes = [
         f"rule {decision['rule']}, pre-registered default arm {decision['default_arm']}",
-        band_note(selection.get("figures", {}).get("generation_band")),
+        band_note(selection.figures.get("generation_band")),
         f"selected: {decision['selected'] or 'none'} ({decision['branch']})",
         f"reason: {decision['reason']}",
     ]
@@ -546,9 +544,12 @@ def render_html(summary: RunSummary) -> str:
 
 def selection_labels(selection_path: str | Path) -> dict[str, str]:
     """The decision as report labels, so the report's front page can show it."""
-    decision = json.loads(Path(selection_path).read_text())["decision"]
+    selection = SelectionResult.read(selection_path)
+    if selection is None:
+        raise FileNotFoundError(f"{selection_path}: no selection receipt to label the report")
+    decision = selection.decision
     return {
-        "selected arm": decision["selected"] or "none",
+        "selected arm": selection.selected or "none",
         "branch": decision["branch"],
         "reason": decision["reason"],
     }

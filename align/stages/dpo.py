@@ -79,9 +79,7 @@ def _setup(
     projected_wall_s: float | None = None,
 ) -> Session:
     info = start_session(run_dir, cfg.run, cfg.batch)
-    shards = {
-        split: PairShard(gated.entry.shards[split], cfg.batch.share_prompt) for split in SPLITS
-    }
+    shards = {split: PairShard(gated.entry.shards[split], cfg.batch.layout) for split in SPLITS}
     refs = {split: _ref(gated.caches[split], shards[split]) for split in SPLITS}
     with meter.phase("load"):
         model = load_policy(gated.checkpoint, cfg.model, info, trainer_cfg)
@@ -149,7 +147,7 @@ def run_probe(
         beside,
     )
     placed = {"precision": model.precision, "devices": list(info.devices)}
-    path = TrainingPath.of_model(model, cfg.batch.micro_batch, cfg.batch.share_prompt)
+    path = TrainingPath.of_model(model, cfg.batch.micro_batch, cfg.batch.layout)
     return {
         **figures,
         "checkpoint_s": checkpoint_s,
@@ -516,7 +514,7 @@ def reload_exported(cfg: ArmConfig, gated: Probed, trained: ArmTrained, meter: P
     info = start_session(gated.arm.run_dir, cfg.run, cfg.batch)
     policy = gated.arm.policy_dir
     resumed = resume_evaluation("dpo", policy, trained.policy_fingerprint, gated.arm.stop_marker)
-    held = PairShard(gated.entry.shards["held"], cfg.batch.share_prompt)
+    held = PairShard(gated.entry.shards["held"], cfg.batch.layout)
     with meter.phase("load"):
         model = load_policy(policy, cfg.model, info)
     return info, model, held, _ref(gated.caches["held"], held), resumed

@@ -225,7 +225,7 @@ def precompute_ref_caches(
     with meter.phase("evaluate"):
         figures = {
             out.stem: precompute_ref_cache(
-                model, PairShard(shard_path, cfg.share_prompt), out, key, cfg, info
+                model, PairShard(shard_path, cfg.layout), out, key, cfg, info
             )
             for shard_path, out, key in jobs
         }
@@ -235,7 +235,7 @@ def precompute_ref_caches(
 def _check_key_names_live_path(key: dict[str, str], model, cfg: RefConfig, out: Path) -> None:
     """The key's dtype and forward_impl must name what the loaded model computes in."""
     live = forward_impl_name(
-        model.attn_implementation, model.precision["compute"], cfg.batch_size, cfg.share_prompt
+        model.attn_implementation, model.precision["compute"], cfg.batch_size, cfg.layout
     )
     found = (key["dtype"], key["forward_impl"])
     if found != (model.precision["compute"], live):
@@ -266,7 +266,7 @@ def run_path_bias(
     meter = PhaseMeter(info.device.type)
     with meter.phase("load"):
         model = load_policy(checkpoint, cfg.model, info, cfg.trainer)
-    shard = PairShard(shard_path, cfg.batch.share_prompt)
+    shard = PairShard(shard_path, cfg.batch.layout)
     ref_chosen, ref_rejected = load_ref_cache(cache, key, shard.pair_ids)
     rows = deal.sample_rows(len(shard), cfg.path_bias.sample_pairs, cfg.path_bias.seed)
     with meter.phase("evaluate"):
@@ -274,7 +274,7 @@ def run_path_bias(
             model, shard, cfg.batch.micro_batch, info, desc="path bias", rows=rows
         )
     errors = margin_errors(chosen, rejected, ref_chosen[rows], ref_rejected[rows])
-    training = TrainingPath.of_model(model, cfg.batch.micro_batch, shard.share_prompt)
+    training = TrainingPath.of_model(model, cfg.batch.micro_batch, shard.layout)
     settings = dataclasses.asdict(cfg.path_bias)
     figures = path_bias_figures(errors, settings, key["forward_impl"], training)
     placed = {"precision": model.precision, "devices": list(info.devices)}

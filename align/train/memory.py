@@ -347,9 +347,10 @@ def job_shape(
     load = STAGE_LOADS[stage]
     seq_len = seq_len or data.seq_len
     pairs = stage not in ("sft", "sft_gate")  # SFT rows are single sequences
-    # A prefix-shared layout puts each pair in one row of up to twice seq_len.
-    trained_shared = batch is not None and batch.share_prompt
-    shared = cfg.ref.share_prompt if stage == "ref_cache" else trained_shared
+    # A shared layout puts each pair in one row of up to twice seq_len; a packed one puts
+    # several pairs in a row no wider than its widest pair, so no more rows than pairs.
+    trained = batch.layout if batch is not None else "padded"
+    shared = (cfg.ref.layout if stage == "ref_cache" else trained) != "padded"
     per_item, length = (1, 2 * seq_len) if shared else (2 if pairs else 1, seq_len)
     if widths is not None:
         length = min(length, widths.shared if shared else widths.padded)
@@ -404,12 +405,10 @@ def scoring_forwards(
     if stage == "ref_cache":
         ref, splits = cfg.ref, [read_shard(shards[split]) for split in SPLITS]
         return tuple(
-            frozenset().union(
-                *(sliced_forwards(arrays, ref, ref.share_prompt, rank, world) for arrays in splits)
-            )
+            frozenset().union(*(sliced_forwards(arrays, ref, rank, world) for arrays in splits))
             for rank in range(world)
         )
-    shared = cfg.batch.share_prompt
+    layout = cfg.batch.layout
     if stage == "path_bias":
         arrays, size = read_shard(shards["train"]), cfg.batch.micro_batch
         sample = cfg.path_bias
@@ -417,7 +416,7 @@ def scoring_forwards(
     else:
         arrays, size = read_shard(shards["held"]), cfg.eval.batch_size
         rows = np.arange(len(arrays["pair_id"]))
-    widths, per_item = pair_row_widths(arrays, shared), 1 if shared else 2
+    widths = pair_row_widths(arrays, layout)
     pad = rows[deal.padding_rows(len(rows), size)]
 
     def dealt(rank: int) -> list[deal.Block]:
@@ -427,21 +426,21 @@ def scoring_forwards(
         ]
 
     return tuple(
-        frozenset(deal.forward_shapes(widths, dealt(rank), pad, per_item)) for rank in range(world)
+        frozenset(deal.forward_shapes(widths, dealt(rank), pad, layout)) for rank in range(world)
     )
 
 
 def sliced_forwards(
-    arrays: dict[str, np.ndarray], ref: Any, shared: bool, rank: int, world: int
+    arrays: dict[str, np.ndarray], ref: Any, rank: int, world: int
 ) -> set[tuple[int, int]]:
     """One rank's forwards of the reference cache of one split, every slice pending."""
     n = len(arrays["pair_id"])
     bounds = deal.slice_rows(n, deal.slice_size(ref.slice_pairs, ref.batch_size))
     rounds = deal.slice_rounds(bounds, list(range(len(bounds))), ref.batch_size, rank, world)
     blocks = [block for _, dealt in rounds for block in dealt]
-    widths = pair_row_widths(arrays, shared)
+    widths = pair_row_widths(arrays, ref.layout)
     pad = deal.padding_rows(n, ref.batch_size)
-    return deal.forward_shapes(widths, blocks, pad, 1 if shared else 2)
+    return deal.forward_shapes(widths, blocks, pad, ref.layout)
 
 
 def selection_seq_len(arm_cfgs: list[Any]) -> int:

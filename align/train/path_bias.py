@@ -39,16 +39,16 @@ class TrainingPath:
         """The path a pre-registration asks for."""
         model, batch = cfg.model, cfg.batch
         impl = forward_impl_name(
-            model.attn_implementation, model.dtype, batch.micro_batch, batch.share_prompt
+            model.attn_implementation, model.dtype, batch.micro_batch, batch.layout
         )
         return cls(impl, model.master_dtype, model.reduce_dtype)
 
     @classmethod
-    def of_model(cls, model: Any, micro_batch: int, share_prompt: bool) -> TrainingPath:
+    def of_model(cls, model: Any, micro_batch: int, layout: str) -> TrainingPath:
         """The path a loaded model runs: its attention backend and read-back precision."""
         precision = model.precision
         impl = forward_impl_name(
-            model.attn_implementation, precision["compute"], micro_batch, share_prompt
+            model.attn_implementation, precision["compute"], micro_batch, layout
         )
         return cls(impl, precision["master"], precision["reduce"])
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
+from align.constants import PAIR_LAYOUTS
 from align.data.metadata import read_metadata, single_key_metadata
 from align.exit_codes import GateRefused
 from align.model.tokenizer_hash import tokenizer_hash
@@ -45,44 +46,39 @@ TENSORS_HASH = "tensors_hash"
 _SAFETENSORS_DTYPES = {"int64": "I64", "float32": "F32"}
 
 
-LAYOUT_TAGS = {False: "padded", True: "shared"}  # batch.share_prompt -> its tag
-
-
 def forward_impl_name(
-    attn_implementation: str, dtype: str, batch_size: int, share_prompt: bool = False
+    attn_implementation: str, dtype: str, batch_size: int, layout: str = "padded"
 ) -> str:
     """A name that fully describes a forward path, e.g. `sdpa-fp32-b16-padded`; the last
-    part is the batch layout (`shared`: one prefix-shared row per pair)."""
-    layout = LAYOUT_TAGS[share_prompt]
+    part is the batch layout (align.constants.PAIR_LAYOUTS)."""
     return f"{attn_implementation}-{DTYPE_TAGS[dtype]}-b{batch_size}-{layout}"
 
 
 def ref_forward_impl(ref) -> str:
     """The forward path a pre-registration's `[ref]` section builds its cache with."""
-    return forward_impl_name(ref.attn_implementation, ref.dtype, ref.batch_size, ref.share_prompt)
+    return forward_impl_name(ref.attn_implementation, ref.dtype, ref.batch_size, ref.layout)
 
 
 def parse_forward_impl(name: str) -> dict[str, object]:
-    """Invert `forward_impl_name`: {attn_implementation, dtype, batch_size, share_prompt}."""
+    """Invert `forward_impl_name`: {attn_implementation, dtype, batch_size, layout}."""
     parts = name.split("-")
     tags = {tag: dtype for dtype, tag in DTYPE_TAGS.items()}
-    layouts = {tag: shared for shared, tag in LAYOUT_TAGS.items()}
     if (
         len(parts) != 4
         or parts[1] not in tags
         or not parts[2].startswith("b")
         or not parts[2][1:].isdigit()
-        or parts[3] not in layouts
+        or parts[3] not in PAIR_LAYOUTS
     ):
         raise ValueError(
             f"forward_impl {name!r} is not of the form "
-            "<attn>-<fp32|bf16|fp16>-b<batch>-<padded|shared>"
+            f"<attn>-<fp32|bf16|fp16>-b<batch>-<{'|'.join(PAIR_LAYOUTS)}>"
         )
     return {
         "attn_implementation": parts[0],
         "dtype": tags[parts[1]],
         "batch_size": int(parts[2][1:]),
-        "share_prompt": layouts[parts[3]],
+        "layout": parts[3],
     }
 
 

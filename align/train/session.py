@@ -109,15 +109,16 @@ def build_trainer(
 def check_shard_layout(shard, batch: BatchConfig) -> None:
     """The shard must collate the layout the pre-registration asks for: the path-bias
     report and the reference-cache key name it, so training on another would lie."""
-    layout = getattr(shard, "share_prompt", False)
-    if batch.share_prompt and not isinstance(shard, PairShard):
+    layout = getattr(shard, "layout", "padded")
+    if batch.layout != "padded" and not isinstance(shard, PairShard):
         raise ConfigError(
-            f"batch.share_prompt = true needs preference pairs; {type(shard).__name__} has none"
+            f"batch.layout = {batch.layout!r} needs preference pairs; "
+            f"{type(shard).__name__} has none"
         )
-    if layout != batch.share_prompt:
+    if layout != batch.layout:
         raise ConfigError(
-            f"batch.share_prompt = {str(batch.share_prompt).lower()} but the training shard "
-            f"{shard.path} was opened with share_prompt={layout}"
+            f"batch.layout = {batch.layout!r} but the training shard {shard.path} was opened "
+            f"with layout {layout!r}"
         )
 
 
