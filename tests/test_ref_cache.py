@@ -178,15 +178,17 @@ def test_metadata_hash_differing_from_the_receipt_is_refused(cache):
 
 def test_forward_impl_name_describes_the_path():
     assert forward_impl_name("sdpa", "float32", 16) == "sdpa-fp32-b16-padded"
-    assert forward_impl_name("eager", "bfloat16", 4, True) == "eager-bf16-b4-shared"
+    assert forward_impl_name("eager", "bfloat16", 4, "shared") == "eager-bf16-b4-shared"
+    assert forward_impl_name("flex", "float32", 8, "packed") == "flex-fp32-b8-packed"
 
 
 def test_parse_forward_impl_inverts_the_name_and_refuses_an_unknown_layout():
-    for args in (("sdpa", "float32", 16, False), ("eager", "bfloat16", 4, True)):
+    cases = (("sdpa", "float32", 16, "padded"), ("eager", "bfloat16", 4, "packed"))
+    for args in cases:
         parsed = parse_forward_impl(forward_impl_name(*args))
         assert tuple(parsed.values()) == args
-    with pytest.raises(ValueError, match=re.escape("<padded|shared>")):
-        parse_forward_impl("sdpa-fp32-b16-packed")
+    with pytest.raises(ValueError, match=re.escape("<padded|shared|packed>")):
+        parse_forward_impl("sdpa-fp32-b16-two_rows")
 
 
 # --- the key computed from a real checkpoint ---------------------------------------------
