@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -197,6 +198,16 @@ def selection_receipt() -> dict:
     }
 
 
+def probe_receipt(step_times: list[float]) -> dict:
+    figures = {
+        "median_step_s": statistics.median(step_times),
+        "projected_wall_s": 60.0,
+        "peak_rss_mb": 1200.0,
+        "step_times": step_times,
+    }
+    return {"stage": "probe", "figures": figures, "projection": {"node_mb": 1300, "nodes": 1}}
+
+
 def write_arm(paths: RunPaths, arm: str, status: str = PASSED, **extra) -> None:
     result = {
         "arm": arm,
@@ -231,9 +242,7 @@ def results(tmp_path) -> Path:
     write_arm(paths, "argilla", tripwire=RERUN)
     write_metrics(paths.arm("argilla").metrics, 8)
     write_metrics(paths.arm("argilla").run_dir / "rerun" / "metrics.jsonl", 30)
-    write_json_atomic(
-        paths.arm("argilla").probe, {"figures": {"step_times": [1.1, 0.6, 0.62, 0.59]}}
-    )
+    write_json_atomic(paths.arm("argilla").probe, probe_receipt([1.1, 0.6, 0.62, 0.59]))
     write_arm(paths, "steppairs")
     write_metrics(paths.arm("steppairs").metrics, 30)
     write_arm(paths, "tripped", FAILED, tripwire=ENDED, reason="tripwire fired again")

@@ -20,13 +20,11 @@ from typing import Any
 
 from align.data.manifest import Manifest
 from align.paths import FIRST_RUN, RERUN, ArmPaths, RunPaths
-from align.stages.arm_result import ArmResult
+from align.stages.arm_result import ArmResult, TripwireRecord
 from align.stages.select import NOT_RECORDED, arm_standing
 from align.stages.selection_result import SelectionResult
-
-
-def read_json_if_present(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+from align.stages.sft_gate_result import SftGateResult
+from align.train.probes import ProbeReceipt
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -48,25 +46,24 @@ class ArmRecord:
     arm: str
     result: ArmResult | None
     metrics: list[dict[str, Any]]
-    probe: dict[str, Any] | None
+    probe: ProbeReceipt | None
     first_run_metrics: list[dict[str, Any]] = field(default_factory=list)
 
     @property
-    def tripwire(self) -> dict[str, Any] | None:
+    def tripwire(self) -> TripwireRecord | None:
         return self.result.tripwire if self.result else None
 
     @property
     def runs(self) -> list[dict[str, Any]]:
         """The training runs the DPO stage recorded, first run first."""
-        return self.tripwire.get("runs", []) if self.tripwire else []
+        return self.tripwire.runs if self.tripwire else []
 
     @property
     def rerun(self) -> bool:
-        return bool(self.tripwire and self.tripwire.get("rerun"))
+        return bool(self.tripwire and self.tripwire.rerun)
 
     def run_alarms(self, run: str) -> list[dict[str, Any]]:
-        fired = self.tripwire.get("fired", []) if self.tripwire else []
-        return [a for a in fired if a["run"] == run]
+        return self.tripwire.alarms_of(run) if self.tripwire else []
 
     @property
     def first_run_alarms(self) -> list[dict[str, Any]]:
@@ -83,9 +80,7 @@ class ArmRecord:
 
     @property
     def step_times(self) -> list[float] | None:
-        if self.probe is None:
-            return None
-        return self.probe.get("figures", {}).get("step_times")
+        return list(self.probe.step_times) if self.probe else None
 
     @property
     def standing(self) -> dict[str, Any] | None:
@@ -107,7 +102,7 @@ class ArmRecord:
 @dataclass
 class RunSummary:
     results_dir: Path
-    sft_gate: dict[str, Any] | None
+    sft_gate: SftGateResult | None
     manifest: Manifest | None
     selection: SelectionResult | None
     arms: list[ArmRecord] = field(default_factory=list)
@@ -125,7 +120,7 @@ def gather(results_dir: str | Path, arms: Sequence[str] | None = None) -> RunSum
     manifest = Manifest.read(paths.manifest)
     summary = RunSummary(
         results_dir=paths.results,
-        sft_gate=read_json_if_present(paths.sft_gate),
+        sft_gate=SftGateResult.read(paths.sft_gate),
         manifest=manifest,
         selection=SelectionResult.read(paths.selection),
     )
@@ -140,7 +135,7 @@ def arm_record(arm_paths: ArmPaths) -> ArmRecord:
         arm=arm_paths.arm,
         result=result,
         metrics=read_metrics(arm_paths.metrics),
-        probe=read_json_if_present(arm_paths.probe),
+        probe=ProbeReceipt.read(arm_paths.probe),
     )
     if record.rerun:
         record.first_run_metrics = record.metrics
@@ -168,12 +163,12 @@ def signed(value: float | None, digits: int = 3) -> str:
     return NOT_RECORDED if value is None else f"{value:+.{digits}f}"
 
 
-def sft_gate_section(gate: dict[str, Any] | None) -> Section:
+def sft_gate_section(gate: SftGateResult | None) -> Section:
     headers = ["check", "value", "threshold", "passed"]
     if gate is None:
         return Section("SFT gate", headers, [], [f"SFT gate: {NOT_RECORDED}"])
     rows = []
-    for name, check in gate.get("figures", {}).get("checks", {}).items():
+    for name, check in gate.checks.items():
         threshold = (
             f"<= {check['max']}"
             if "max" in check
@@ -182,7 +177,7 @@ def sft_gate_section(gate: dict[str, Any] | None) -> Section:
             else ""
         )
         rows.append([name, str(check["value"]), threshold, str(check["passed"])])
-    note = f"SFT gate {gate['status']}: checkpoint {gate.get('checkpoint')}"
+    note = f"SFT gate {gate.status}: checkpoint {gate.checkpoint}"
     return Section("SFT gate", headers, rows, [note])
 
 
@@ -193,7 +188,7 @@ def tripwire_cell(record: ArmRecord) -> str:
     if not record.rerun:
         return f"{len(record.final_run_alarms)} alarms"
     first, again = len(record.first_run_alarms), len(record.final_run_alarms)
-    ended = "; ended by tripwire" if tripwire.get("ended_by_tripwire") else ""
+    ended = "; ended by tripwire" if tripwire.ended_by_tripwire else ""
     return f"{first} alarms, rerun ({again} on rerun){ended}"
 
 
@@ -278,7 +273,7 @@ def runs_section(arms: Sequence[ArmRecord]) -> Section:
         if not record.runs:
             notes.append(f"{record.arm}: training runs {NOT_RECORDED}")
             continue
-        result_run = record.tripwire.get("result_run")
+        result_run = record.tripwire.result_run
         for run in record.runs:
             name, config, summary = run["run"], run["config"], run["summary"]
             last = (run_metrics(record, name) or [{}])[-1]

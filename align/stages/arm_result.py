@@ -7,12 +7,60 @@ heavy, so a refused selection stays cheap.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from align.receipts import read_json
+
+
+@dataclass(frozen=True)
+class TripwireRecord:
+    """The arm result's tripwire section: both training runs, which one is the result,
+    and every alarm, run by run (align.stages.dpo.tripwire_section writes it)."""
+
+    # Whether a wire fired on the first run, so the pre-registered rerun trained.
+    rerun: bool = False
+    # Whether a wire fired again on the rerun, which ends the arm FAILED.
+    ended_by_tripwire: bool = False
+    # The run whose policy is the arm's: "first" or "rerun".
+    result_run: str | None = None
+    # The pre-registered response the rerun trained with (None without a rerun).
+    response: dict[str, Any] | None = None
+    # Every alarm, each with the run it fired in.
+    fired: list[dict[str, Any]] = field(default_factory=list)
+    # Each run's record: config, summary, alarms, signals, bands, generation checks.
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    armed: list[str] = field(default_factory=list)
+    # Each disarmed wire with its pre-registered reason.
+    disarmed: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, section: Mapping[str, Any]) -> TripwireRecord:
+        return cls(
+            rerun=bool(section.get("rerun")),
+            ended_by_tripwire=bool(section.get("ended_by_tripwire")),
+            result_run=section.get("result_run"),
+            response=section.get("response"),
+            fired=list(section.get("fired", [])),
+            runs=list(section.get("runs", [])),
+            armed=list(section.get("armed", [])),
+            disarmed=dict(section.get("disarmed", {})),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def alarms_of(self, run: str) -> list[dict[str, Any]]:
+        """The alarms that fired in one training run."""
+        return [alarm for alarm in self.fired if alarm["run"] == run]
+
+    @property
+    def fired_wires(self) -> list[str]:
+        """The names of the signals that fired, over both runs."""
+        return sorted({alarm["name"] for alarm in self.fired})
 
 
 @dataclass(frozen=True)
@@ -28,7 +76,7 @@ class ArmResult:
     # Weights hashes by recorded path: the policy's among them.
     outputs: dict[str, str] = field(default_factory=dict)
     # The tripwires' record (runs, alarms, the rerun); None when none was recorded.
-    tripwire: dict[str, Any] | None = None
+    tripwire: TripwireRecord | None = None
     figures: dict[str, Any] = field(default_factory=dict)
     gates: list[dict[str, Any]] = field(default_factory=list)
     # The arm's pre-registration as the stage loaded it.
@@ -44,7 +92,7 @@ class ArmResult:
             policy=receipt.get("policy"),
             checkpoint=receipt.get("checkpoint"),
             outputs=dict(receipt.get("outputs", {})),
-            tripwire=receipt.get("tripwire"),
+            tripwire=TripwireRecord.of(receipt["tripwire"]) if receipt.get("tripwire") else None,
             figures=dict(receipt.get("figures", {})),
             gates=list(receipt.get("gates", [])),
             config=dict(receipt.get("config", {})),

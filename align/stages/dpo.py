@@ -29,6 +29,7 @@ from align.kernels.flex import compile_seconds
 from align.losses.dpo import DPOObjective
 from align.paths import FIRST_RUN, RERUN, SPLITS, ended_run_in
 from align.receipts import write_json_atomic
+from align.stages.arm_result import TripwireRecord
 from align.stages.entry import is_main_process
 from align.stages.gates import CacheInUse, Gated, Probed
 from align.stages.phase_stops import EVALUATE, EXPORT, PhaseStops, Trained, resume_evaluation
@@ -562,16 +563,16 @@ def tripwire_section(
     """Both runs, which one is the result, and every signal that fired, run by run."""
     records = [run.record for run in runs]
     rerun = len(records) > 1
-    return {
-        "armed": armed_wires(cfg),
-        "disarmed": {k: v for k, v in dataclasses.asdict(cfg.tripwires.disarmed).items() if v},
-        "rerun": rerun,
-        "response": response,
-        "result_run": records[-1]["run"],
-        "ended_by_tripwire": rerun and bool(records[-1]["alarms"]),
-        "fired": [{"run": r["run"], **a} for r in records for a in r["alarms"]],
-        "runs": records,
-    }
+    return TripwireRecord(
+        armed=armed_wires(cfg),
+        disarmed={k: v for k, v in dataclasses.asdict(cfg.tripwires.disarmed).items() if v},
+        rerun=rerun,
+        response=response,
+        result_run=records[-1]["run"],
+        ended_by_tripwire=rerun and bool(records[-1]["alarms"]),
+        fired=[{"run": r["run"], **a} for r in records for a in r["alarms"]],
+        runs=records,
+    ).as_dict()
 
 
 def armed_wires(cfg: ArmConfig) -> list[str]:

@@ -21,6 +21,7 @@ from align.model.checkpoint_files import NotACheckpoint, checkpoint_files
 from align.model.tokenizer_hash import tokenizer_hash
 from align.paths import SPLITS, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, load_receipt, verify_hash
+from align.stages.sft_gate_result import SftGateResult
 from align.train.memory import (
     MemoryVerdict,
     check_stage_rss,
@@ -72,17 +73,19 @@ class CacheInUse:
 
 def sft_gate(paths: RunPaths) -> SftPolicy:
     """The SFT quality receipt passed; its checkpoint (the one to use) resolved."""
-    receipt = load_receipt(paths.sft_gate, "sft_gate", stage="sft_gate")
-    if receipt.get("status") != PASSED or receipt.get("passed") is not True:
+    gate = SftGateResult.of(load_receipt(paths.sft_gate, "sft_gate", stage="sft_gate"))
+    if gate.status != PASSED or gate.passed is not True:
         raise GateRefused(
-            "sft_gate", f"{paths.sft_gate}: expected passed=true, found {receipt.get('passed')!r}"
+            "sft_gate", f"{paths.sft_gate}: expected passed=true, found {gate.passed!r}"
         )
-    checkpoint = paths.resolve(receipt["checkpoint"], "sft_gate", paths.sft_gate)
+    if not isinstance(gate.checkpoint, str):
+        raise GateRefused(
+            "sft_gate", f"{paths.sft_gate}: expected a checkpoint path, found {gate.checkpoint!r}"
+        )
+    checkpoint = paths.resolve(gate.checkpoint, "sft_gate", paths.sft_gate)
     if not checkpoint.is_dir():
         raise GateRefused("sft_gate", f"{paths.sft_gate}: checkpoint {checkpoint} does not exist")
-    return SftPolicy(
-        checkpoint, receipt.get("checkpoint_hash"), receipt.get("checkpoint_fingerprint")
-    )
+    return SftPolicy(checkpoint, gate.checkpoint_hash, gate.checkpoint_fingerprint)
 
 
 def require_checkpoint(gate: str, directory: str | Path) -> None:

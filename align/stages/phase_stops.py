@@ -19,6 +19,7 @@ from align.exit_codes import GateRefused, ResumableStop
 from align.paths import trained_record_in
 from align.receipts import read_json, write_json_atomic
 from align.stages.entry import is_main_process
+from align.train.stop_marker import StopMarker
 from align.train.trainer import StopRequest
 from align.utils.dist import any_rank, barrier
 from align.utils.log import stage_logger
@@ -72,9 +73,7 @@ class PhaseStops:
             return
         reason = f"signal {signal.Signals(self.request.signal or signal.SIGTERM).name}"
         if is_main_process():
-            write_json_atomic(
-                self.marker, {"phase": phase, "checkpoint": self.policy, "reason": reason}
-            )
+            StopMarker(self.policy, reason, phase=phase).write(self.marker)
         barrier()
         raise ResumableStop(
             f"{self.stage} stopped in {phase} ({reason}); the policy is exported to "
@@ -90,9 +89,9 @@ def resume_evaluation(stage: str, policy: Path, fingerprint, marker: Path) -> di
         raise GateRefused(
             stage, f"{policy}: weight files changed since they were exported (sizes and times)"
         )
-    resumed = read_json(marker) if marker.is_file() else None
+    resumed = StopMarker.read(marker)
     barrier()
     if is_main_process():
         marker.unlink(missing_ok=True)
         stage_logger(stage).info(f"training recorded; evaluating the exported {policy}")
-    return resumed
+    return resumed.as_dict() if resumed else None

@@ -118,20 +118,15 @@ def eval_set_sources(
     return {str(path): {"path": str(path), "hash": hash_file(path)}}
 
 
-def fired_wires(tripwire: Mapping[str, Any]) -> list[str]:
-    """The names of the signals that fired, over both runs."""
-    return sorted({alarm["name"] for alarm in tripwire.get("fired", [])})
-
-
 def arm_standing(result: ArmResult) -> dict[str, Any]:
     """Whether the arm may be selected, and why not: never measured, or measured badly."""
     tripwire = result.tripwire
-    alarms = fired_wires(tripwire) if tripwire else []
+    alarms = tripwire.fired_wires if tripwire else []
     base = {
         "status": result.status,
         "tripwire": "recorded" if tripwire else NOT_RECORDED,
         "alarms": alarms,
-        "rerun": bool(tripwire.get("rerun")) if tripwire else None,
+        "rerun": tripwire.rerun if tripwire else None,
         "policy": result.policy,
     }
 
@@ -141,7 +136,7 @@ def arm_standing(result: ArmResult) -> dict[str, Any]:
     why = result.reason or "no reason recorded"
     if result.descoped or result.status == DESCOPED:
         return standing(NEVER_MEASURED, False, f"never measured: descoped ({why})")
-    if tripwire and tripwire.get("ended_by_tripwire"):
+    if tripwire and tripwire.ended_by_tripwire:
         fired = ", ".join(alarms) or "no alarm named"
         return standing(
             TRIPWIRE_ENDED, True, f"measured badly: training ended by a tripwire ({fired})"

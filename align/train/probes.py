@@ -46,7 +46,8 @@ class Beside:
 @dataclass(frozen=True)
 class ProbeReceipt:
     """The probe's receipt (`probe_figures` and the projection it ran under) as every
-    reader takes it: the gates before training, and the workflow sizing the dpo job."""
+    reader takes it: the gates before training, the workflow sizing the dpo job, and the
+    report."""
 
     median_step_s: float
     projected_wall_s: float
@@ -58,6 +59,8 @@ class ProbeReceipt:
     nodes: int
     topology: dict[str, int]
     training_path: dict[str, Any] | None
+    # Every timed step's seconds, in order (the first pays for warm-up).
+    step_times: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, receipt: Mapping[str, Any]) -> ProbeReceipt:
@@ -71,6 +74,7 @@ class ProbeReceipt:
             nodes=projection["nodes"],
             topology=receipt.get("topology", {}),
             training_path=figures.get("training_path"),
+            step_times=tuple(figures.get("step_times", ())),
         )
 
     @classmethod

@@ -25,9 +25,9 @@ from tqdm import tqdm
 from align.config import TrainerConfig
 from align.exit_codes import AlignError, ResumableStop
 from align.paths import metrics_in, stop_marker_in
-from align.receipts import write_json_atomic
 from align.train.checkpointing import CheckpointManager
 from align.train.progress import Progress
+from align.train.stop_marker import StopMarker
 from align.utils.dist import DistInfo, all_reduce_sum, any_rank, barrier
 from align.utils.log import stage_logger
 
@@ -131,7 +131,7 @@ class Trainer:
         stopped = self._own_stop() if self.cfg.resume else None
         barrier()
         if stopped is not None:
-            self.resumed_after = stopped
+            self.resumed_after = stopped.as_dict()
             if self.info.is_main:
                 self.stop_marker.unlink()
         latest = self.checkpoints.latest() if self.cfg.resume else None
@@ -294,25 +294,19 @@ class Trainer:
             self.state.micro_step, self.model, self.optimizer, trainer_state, rank_state
         )
 
-    def _own_stop(self) -> dict[str, Any] | None:
+    def _own_stop(self) -> StopMarker | None:
         """The stop marker, when the checkpoint it names is one of this run's: a stage that
         trains more than one run resumes each after its own stop only."""
-        if not self.stop_marker.is_file():
+        stopped = StopMarker.read(self.stop_marker)
+        if stopped is None or Path(stopped.checkpoint).parent != self.checkpoints.root:
             return None
-        stopped = json.loads(self.stop_marker.read_text())
-        return stopped if Path(stopped["checkpoint"]).parent == self.checkpoints.root else None
+        return stopped
 
     def _leave_stop_marker(self, checkpoint: Path) -> None:
         """Tells the launcher the stop was clean and resumable."""
         if self.info.is_main:
-            write_json_atomic(
-                self.stop_marker,
-                {
-                    "step": self.state.step,
-                    "checkpoint": str(checkpoint),
-                    "reason": self._stop_reason(),
-                },
-            )
+            marker = StopMarker(str(checkpoint), self._stop_reason(), step=self.state.step)
+            marker.write(self.stop_marker)
 
     def _log(self, metrics: dict[str, Any]) -> None:
         if self.info.is_main:

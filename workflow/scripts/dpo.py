@@ -9,6 +9,7 @@ from align.config import ArmConfig, load_config, to_dict
 from align.exit_codes import TripwireFired, run_with_exit_codes
 from align.paths import FIRST_RUN, RERUN, RunPaths
 from align.receipts import DESCOPED, FAILED, PASSED, hash_file
+from align.stages.arm_result import TripwireRecord
 from align.stages.entry import Stage, is_main_process, parse_stage_args
 from align.stages.gates import Descoped, Gated, Probed, run_gates
 from align.utils.guard import apply_resource_guards
@@ -81,9 +82,9 @@ def write_arm_result(loaded, gated: Probed, stage: Stage, out, common: dict) -> 
     from align.utils.weights_hash import weights_hash
 
     figures, info = run_dpo(loaded.cfg, gated, stage.started)
-    tripwire = figures.pop("tripwire")
+    tripwire = TripwireRecord.of(figures.pop("tripwire"))
     phases = figures.pop("phases")
-    ended = tripwire["ended_by_tripwire"]
+    ended = tripwire.ended_by_tripwire
     if info.is_main:
         arm, recorded = gated.arm, gated.paths.recorded
         caches = {split: recorded(cache.path) for split, cache in gated.caches.items()}
@@ -98,7 +99,7 @@ def write_arm_result(loaded, gated: Probed, stage: Stage, out, common: dict) -> 
             outputs={recorded(arm.policy_dir): weights_hash(arm.policy_dir)},
             figures=figures,
             phases=phases,
-            tripwire=tripwire,
+            tripwire=tripwire.as_dict(),
             checkpoint=recorded(gated.checkpoint),
             caches=caches,
             policy=recorded(arm.policy_dir),
@@ -112,8 +113,8 @@ def write_arm_result(loaded, gated: Probed, stage: Stage, out, common: dict) -> 
             f"arm {loaded.cfg.arm} held-out preference accuracy sft {held['sft']['accuracy']:.3f} -> "
             f"policy {held['policy']['accuracy']:.3f} [{held['policy']['ci_low']:.3f}, {held['policy']['ci_high']:.3f}]"
             + (
-                f"; rerun with {tripwire['response']} after {fired(tripwire, FIRST_RUN)}"
-                if tripwire["rerun"]
+                f"; rerun with {tripwire.response} after {fired(tripwire, FIRST_RUN)}"
+                if tripwire.rerun
                 else ""
             )
         )
@@ -128,11 +129,11 @@ def write_arm_result(loaded, gated: Probed, stage: Stage, out, common: dict) -> 
         )
 
 
-def fired(tripwire: dict, run: str) -> str:
+def fired(tripwire: TripwireRecord, run: str) -> str:
     """The alarms of one training run, as the log line names them."""
     from align.train.tripwires import describe_alarm
 
-    return ", ".join(describe_alarm(a) for a in tripwire["fired"] if a["run"] == run)
+    return ", ".join(describe_alarm(a) for a in tripwire.alarms_of(run))
 
 
 if __name__ == "__main__":
