@@ -27,6 +27,7 @@ from align.constants import (
     DEVICES,
     DPO_LOSSES,
     DTYPES,
+    GATED_ATTENTION,
     LOCK_MODES,
     MIN_VOCAB_SIZE,
     OPTIMIZERS,
@@ -764,6 +765,12 @@ class ArmConfig:
             segment_masked("ref.layout", self.ref.layout, self.ref),
             trains_on_its_device(self.model, self.run),
         ]
+
+    def gated_backends(self) -> list[str]:
+        """The attention backends of the arm's forwards that run only behind a passed
+        equivalence receipt (GATED_ATTENTION), sorted."""
+        used = {self.model.attn_implementation, self.ref.attn_implementation}
+        return sorted(used & set(GATED_ATTENTION))
 
 
 def trains_on_its_device(model: ModelConfig, run: RunConfig) -> Check:

@@ -21,9 +21,14 @@ from align.receipts import read_json
 from align.report.summary import selection_labels
 from align.stages.select import UNION
 from align.train.path_bias import PathBias
-from align.train.ref_cache import parse_forward_impl, ref_forward_impl
-from align.workflow.commands import image_entry, launch_command, srun_prefix
-from align.workflow.placement import Placement
+from align.train.ref_cache import ref_forward_impl
+from align.workflow.commands import (
+    image_entry,
+    launch_command,
+    ref_path_overrides,
+    srun_prefix,
+)
+from align.workflow.placement import Placement, kernel_gate_device, rank_threads
 from align.workflow.configs import cached_config
 from align.workflow.resources import (
     JobResources,
@@ -165,19 +170,12 @@ def caches_in_use(wildcards):
 
 def ref_overrides(wildcards):
     """The ref-path overrides that build the cache named by the forward_impl wildcard."""
-    path = parse_forward_impl(wildcards.forward_impl)
-    return " ".join(f"--ref.{key}={value}" for key, value in path.items())
-
-
-def gated_backends(cfg):
-    """The backends of an arm's forwards that must be proven before they run."""
-    used = (cfg.model.attn_implementation, cfg.ref.attn_implementation)
-    return sorted(set(used) & set(GATED_ATTENTION))
+    return ref_path_overrides(wildcards.forward_impl)
 
 
 def kernel_receipts(wildcards):
     """The equivalence receipts of the gated backends an arm's stages run."""
-    return [PATHS.kernel_receipt(b) for b in gated_backends(arm_cfg(wildcards.arm))]
+    return [PATHS.kernel_receipt(b) for b in arm_cfg(wildcards.arm).gated_backends()]
 
 
 # The kernel_gate rule's output wildcard: one of the gated backends.
@@ -189,19 +187,9 @@ def kernel_gate_source(wildcards):
 
 
 def kernel_gate_layout(wildcards):
-    """One process on the device of the arms that run the backend (for triton_fa2, the CPU
-    only under the interpreter)."""
-    devices = {
-        arm_cfg(arm).run.device
-        for arm in ARMS
-        if wildcards.backend in gated_backends(arm_cfg(arm))
-    }
-    return Topology(nodes=1, per_node=1), ("cuda" if "cuda" in devices else "cpu")
-
-
-def per_rank_threads(ranks):
-    """The task's threads, shared among the ranks it holds (at least one each)."""
-    return max(1, config["threads"] // ranks)
+    """One process on the device of the arms that run the backend."""
+    arms = [arm_cfg(arm) for arm in ARMS]
+    return Topology(nodes=1, per_node=1), kernel_gate_device(wildcards.backend, arms)
 
 
 def arm_stop_marker(wildcards):
@@ -336,7 +324,9 @@ def launcher(layout, stop_marker=None, accept_exit=()):
 
 def layout_rank_threads(layout):
     """Each rank's threads: the task's threads shared by the ranks of its node."""
-    return lambda wildcards: per_rank_threads(layout(wildcards)[0].per_node)
+    return lambda wildcards: rank_threads(
+        config["threads"], layout(wildcards)[0].per_node
+    )
 
 
 def slurm_partition(on_gpu):

@@ -10,13 +10,19 @@ import pytest
 import yaml
 from conftest import REPO
 
+from align.config import ArmConfig, load_config
 from align.exit_codes import ConfigError
 from align.topology import Topology
 from align.train.probes import ProbeReceipt
 from align.workflow import slurm
-from align.workflow.commands import image_entry, launch_command, srun_prefix
+from align.workflow.commands import (
+    image_entry,
+    launch_command,
+    ref_path_overrides,
+    srun_prefix,
+)
 from align.workflow.configs import cached_config
-from align.workflow.placement import Placement
+from align.workflow.placement import Placement, kernel_gate_device, rank_threads
 from align.workflow.resources import (
     JobResources,
     capped,
@@ -218,3 +224,32 @@ def test_one_node_holds_its_gpus_in_one_task_and_several_nodes_one_task_each(
 
 def test_a_site_without_a_gpu_model_asks_for_any_gpu():
     assert Placement(Topology(2, 4), "cuda").node_gres() == "gpu:4"
+
+
+def test_ref_path_overrides_build_the_cache_the_forward_impl_names():
+    overrides = ref_path_overrides("flex-bf16-b8-packed")
+    assert overrides == (
+        "--ref.attn_implementation=flex --ref.dtype=bfloat16 --ref.batch_size=8 "
+        "--ref.layout=packed"
+    )
+    with pytest.raises(ValueError, match="is not of the form"):
+        ref_path_overrides("flex-bf16-b8-two_rows")
+
+
+def test_each_rank_gets_its_share_of_the_task_threads_and_at_least_one():
+    assert rank_threads(8, 2) == 4
+    assert rank_threads(2, 4) == 1
+
+
+def arm(*overrides: str) -> ArmConfig:
+    return load_config(REPO / "config" / "arms" / "argilla.toml", ArmConfig, list(overrides)).cfg
+
+
+def test_a_kernel_gate_runs_on_the_device_of_the_arms_that_use_its_backend():
+    cpu_triton = arm("--model.attn_implementation=triton_fa2")
+    cuda_flex = arm("--ref.attn_implementation=flex", "--run.device=cuda")
+    assert cpu_triton.gated_backends() == ["triton_fa2"]
+    assert cuda_flex.gated_backends() == ["flex"]
+    assert arm().gated_backends() == []
+    assert kernel_gate_device("triton_fa2", [cpu_triton, cuda_flex]) == "cpu"
+    assert kernel_gate_device("flex", [cpu_triton, cuda_flex]) == "cuda"

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from align.config import DpoConfig
+from align.constants import DPO_LOSSES
 
 
 def _sigmoid(margins: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
@@ -40,11 +41,10 @@ def _hinge(margins: torch.Tensor, beta: float, label_smoothing: float) -> torch.
     return torch.relu(1 - margins)
 
 
-_PAIR_LOSSES: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
-    "sigmoid": _sigmoid,
-    "ipo": _ipo,
-    "hinge": _hinge,
-}
+# Each name of DPO_LOSSES, the one list the config checks, paired with its formula in order.
+_PAIR_LOSSES: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = dict(
+    zip(DPO_LOSSES, (_sigmoid, _ipo, _hinge), strict=True)
+)
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import json
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from align.exit_codes import ConfigError
 from align.kernels.flex import compile_seconds
 from align.losses.dpo import DPOObjective
 from align.paths import FIRST_RUN, RERUN, SPLITS, ended_run_in
-from align.receipts import write_json_atomic
+from align.receipts import read_json, write_json_atomic
 from align.stages.arm_result import TripwireRecord
 from align.stages.entry import is_main_process
 from align.stages.gates import CacheInUse, Gated, Probed
@@ -303,24 +302,45 @@ def run_record(cfg: ArmConfig) -> dict[str, Any]:
     return TripwireResponse.settings_of(cfg)
 
 
-@dataclass
-class TrainingRun:
-    """One training run as the arm result needs it: its record (as ended.json and the
-    receipt hold it), its banner and generation band, and for a run trained in this
-    process its live session (None once dropped, or for a run read back)."""
+@dataclass(frozen=True)
+class RunRecord:
+    """One training run as ended.json and the arm result's tripwire section record it."""
 
-    record: dict[str, Any]
+    run: str  # FIRST_RUN or RERUN
+    config: dict[str, Any]  # the settings a rerun's response can change (run_record)
+    summary: dict[str, Any]  # the trainer's summary: steps, horizon, final figures
+    alarms: list[dict[str, Any]]  # the alarms that ended it (none: it ran to its horizon)
+    signals: dict[str, list[list[float]]]  # each wire's [step, value] series
+    bands: dict[str, Any]  # each wire's band
+    generation_checks: list[dict[str, Any]]
+    generation_band: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, record: dict[str, Any]) -> RunRecord:
+        return cls(**record)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class TrainingRun:
+    """One training run as the arm result needs it: its record, its banner and generation
+    band, and for a run trained in this process its live session (None once dropped, or
+    for a run read back)."""
+
+    record: RunRecord
     banner: str | None
     band: GenerationBand | None
     session: Session | None
 
     @property
     def alarms(self) -> list[dict[str, Any]]:
-        return self.record["alarms"]
+        return self.record.alarms
 
     @property
     def summary(self) -> dict[str, Any]:
-        return self.record["summary"]
+        return self.record.summary
 
 
 def _train_once(
@@ -390,16 +410,16 @@ def _fit_with_wires(cfg: ArmConfig, gated: Probed, name: str, session: Session) 
         summary = trainer.summary()
         if info.is_main:
             LOG.warning(f"{name}: tripwire fired: {alarm}")
-    record = {
-        "run": name,
-        "config": run_record(cfg),
-        "summary": summary,
-        "alarms": alarms,
-        "signals": tripwires.signals,
-        "bands": tripwires.bands(),
-        "generation_checks": schedule.checks if schedule else [],
-        "generation_band": band.as_dict() if band else None,
-    }
+    record = RunRecord(
+        run=name,
+        config=run_record(cfg),
+        summary=summary,
+        alarms=alarms,
+        signals=tripwires.signals,
+        bands=tripwires.bands(),
+        generation_checks=schedule.checks if schedule else [],
+        generation_band=band.as_dict() if band else None,
+    )
     return TrainingRun(record, shown.text, band, session)
 
 
@@ -409,8 +429,8 @@ def ended_first_run(cfg: ArmConfig, run_dir: Path) -> TrainingRun | None:
     path = ended_run_in(run_dir)
     if not cfg.trainer.resume or not path.is_file():
         return None
-    ended = json.loads(path.read_text())
-    run = TrainingRun(ended["record"], ended["banner"], band=None, session=None)
+    ended = read_json(path)
+    run = TrainingRun(RunRecord.of(ended["record"]), ended["banner"], band=None, session=None)
     if is_main_process():
         alarms = ", ".join(f"{a['name']} at step {a['step']}" for a in run.alarms)
         LOG.info(f"{FIRST_RUN}: ended by {alarms} (read from {path})")
@@ -419,7 +439,8 @@ def ended_first_run(cfg: ArmConfig, run_dir: Path) -> TrainingRun | None:
 
 def record_ended_run(run: TrainingRun, run_dir: Path) -> None:
     if is_main_process():
-        write_json_atomic(ended_run_in(run_dir), {"record": run.record, "banner": run.banner})
+        record = {"record": run.record.as_dict(), "banner": run.banner}
+        write_json_atomic(ended_run_in(run_dir), record)
 
 
 @dataclass(frozen=True)
@@ -479,7 +500,8 @@ def train_and_export(
         first = _train_once(cfg, gated, first_dir, FIRST_RUN, meter, stage_started)
         if first.alarms:
             record_ended_run(first, first_dir)
-            first.session = None  # the rerun starts again from SFT; one policy stays in memory
+            # The rerun starts again from SFT; one policy stays in memory.
+            first = dataclasses.replace(first, session=None)
     runs, final, final_cfg, response = [first], first, cfg, None
     if first.alarms:
         final_cfg, response = with_response(cfg)
@@ -547,7 +569,7 @@ def evaluate(
 
 def policy_generation(run: TrainingRun) -> dict[str, Any] | None:
     """The result policy's last generation check judged against its band (None: unarmed)."""
-    checks = run.record["generation_checks"]
+    checks = run.record.generation_checks
     if not checks:
         return None
     return {
@@ -568,10 +590,10 @@ def tripwire_section(
         disarmed={k: v for k, v in dataclasses.asdict(cfg.tripwires.disarmed).items() if v},
         rerun=rerun,
         response=response,
-        result_run=records[-1]["run"],
-        ended_by_tripwire=rerun and bool(records[-1]["alarms"]),
-        fired=[{"run": r["run"], **a} for r in records for a in r["alarms"]],
-        runs=records,
+        result_run=records[-1].run,
+        ended_by_tripwire=rerun and bool(records[-1].alarms),
+        fired=[{"run": r.run, **a} for r in records for a in r.alarms],
+        runs=[r.as_dict() for r in records],
     ).as_dict()
 
 

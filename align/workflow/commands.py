@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from align.topology import Topology
+from align.train.ref_cache import parse_forward_impl
 
 
 def image_entry(home: str | Path, apptainer_args: str, image: str) -> list[str]:
@@ -48,3 +49,10 @@ def launch_command(
         args.append(f"--stop-marker={stop_marker}")
     args += [f"--accept-exit={code}" for code in accept_exit]
     return " ".join([*per_node, *args])
+
+
+def ref_path_overrides(forward_impl: str) -> str:
+    """The `--ref.*` overrides that make the ref_cache stage build the cache named by
+    `forward_impl` (align.train.ref_cache.forward_impl_name)."""
+    path = parse_forward_impl(forward_impl)
+    return " ".join(f"--ref.{key}={value}" for key, value in path.items())

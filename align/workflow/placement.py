@@ -13,8 +13,10 @@ one launcher per node under srun (align.workflow.commands).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from align.config import ArmConfig
 from align.topology import Topology
 
 
@@ -50,3 +52,15 @@ class Placement:
     def gres(self) -> str | None:
         """The job's gres: a multi-node GPU job's per-node GPUs (one-node jobs use --gpus)."""
         return self.node_gres() if self.multi_node and self.on_gpus else None
+
+
+def rank_threads(task_threads: int, ranks: int) -> int:
+    """Each rank's threads: the task's shared among the ranks it holds, at least one each."""
+    return max(1, task_threads // ranks)
+
+
+def kernel_gate_device(backend: str, arms: Iterable[ArmConfig]) -> str:
+    """Where a backend's equivalence gate runs: on CUDA when any arm that uses the backend
+    runs there, else on the CPU (for triton_fa2, under the interpreter)."""
+    devices = {arm.run.device for arm in arms if backend in arm.gated_backends()}
+    return "cuda" if "cuda" in devices else "cpu"
