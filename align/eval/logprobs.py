@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from align.constants import IGNORE_INDEX, PREFIX_SEGMENT, SEGMENTS_PER_PAIR
+from align.constants import IGNORE_INDEX
 from align.data.loader import TokenBatch
+from align.kernels.segments import pair_slot
 from align.losses.fused import shift_labels
 
 
@@ -62,7 +63,7 @@ def full_logits_sequence_logps(model: torch.nn.Module, batch: TokenBatch) -> tor
             scored, logp.gather(-1, batch.labels.clamp(min=0)[..., None])[..., 0], 0.0
         )
         # Each pair's tokens summed on their own: slot s of row r holds pair (r, s).
-        pairs = batch.segment_ids.sub(PREFIX_SEGMENT).div(SEGMENTS_PER_PAIR, rounding_mode="floor")
+        pairs = pair_slot(batch.segment_ids)
         slots = int(pairs.max()) + 1
         sums = torch.stack([torch.where(pairs == s, token, 0.0).sum(-1) for s in range(slots)], -1)
         return by_pair(batch, sums.flatten())
