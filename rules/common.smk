@@ -418,8 +418,7 @@ def dpo_mem_mb(wildcards, input, attempt):
     probe = ProbeReceipt.read(input.probe)
     if probe is None:
         return preflight_mem_mb(wildcards, attempt)
-    node_mb = max(probe.projected_node_mb, probe.measured_node_mb)
-    return JOB.rss_mem_mb(node_mb, attempt)
+    return JOB.probed_mem_mb(probe, attempt)
 
 
 def dpo_stop_window_s(wildcards, input):

@@ -3,6 +3,7 @@ inside a time limit, Slurm's answers, and the launch command of one and several 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import stat
 
@@ -66,6 +67,13 @@ def test_memory_requests_scale_the_rss_by_the_margin_add_the_overhead_and_the_at
     assert JOB.rss_mem_mb(1000.0, 1) == 1762
     assert JOB.rss_mem_mb(1000.0, 2) == 2 * 1762
     assert JOB.default_mem_mb(3) == 3000
+
+
+def test_the_dpo_job_asks_for_the_higher_of_the_probes_projection_and_its_measured_peak():
+    # Measured 3000 MB over 2 nodes is 1500 per node, above the projected 1400.
+    assert JOB.probed_mem_mb(PROBE, 1) == JOB.rss_mem_mb(1500.0, 1)
+    lighter = dataclasses.replace(PROBE, peak_rss_mb=2000.0)
+    assert JOB.probed_mem_mb(lighter, 2) == JOB.rss_mem_mb(1400.0, 2)
 
 
 def test_the_stop_window_is_two_steps_one_save_and_the_exit():

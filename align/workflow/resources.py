@@ -53,6 +53,11 @@ class JobResources:
         attempt."""
         return math.ceil(rss_mb * self.mem_margin + self.mem_overhead_mb) * attempt
 
+    def probed_mem_mb(self, probe: ProbeReceipt, attempt: int) -> int:
+        """The DPO job's request once the probe ran: the projection it ran under, or what it
+        measured (per node) where that is higher."""
+        return self.rss_mem_mb(max(probe.projected_node_mb, probe.measured_node_mb), attempt)
+
     def checkpoint_s_of(self, probe: ProbeReceipt | None) -> float:
         """One checkpoint save: the probe's timing when its receipt has one, else the
         allowance."""
