@@ -290,6 +290,7 @@ def test_the_first_run_and_the_rerun_are_shown_side_by_side(results):
     runs = section(text, "Training runs")
     first = next(line for line in runs if re.match(r"argilla\s+first\s", line))
     rerun = next(line for line in runs if re.match(r"argilla\s+rerun\s", line))
+    assert any("lr / beta / rpo_alpha" in line for line in runs)  # the rerun's settings
     # Each run: its configuration, steps, final loss / margin / chosen log-prob from its own
     # metrics, what fired, and the terminated fraction of every generation check.
     assert re.search(r"0\.001 / 0\.1 / 0\s+8/30\s+0\.6230\s+\+0\.350\s+-77\.00", first)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from align.config import TripwireResponse
 from align.data.manifest import Manifest
 from align.paths import FIRST_RUN, RERUN, ArmPaths, RunPaths
 from align.stages.arm_result import ArmResult, TripwireRecord
@@ -259,7 +260,7 @@ def runs_section(arms: Sequence[ArmRecord]) -> Section:
     headers = [
         "arm",
         "run",
-        "lr / beta / rpo_alpha",
+        " / ".join(TripwireResponse.TARGETS),
         "steps",
         "final loss",
         "final margin",
@@ -282,7 +283,7 @@ def runs_section(arms: Sequence[ArmRecord]) -> Section:
                 [
                     record.arm,
                     name,
-                    f"{config['lr']:g} / {config['beta']:g} / {config['rpo_alpha']:g}",
+                    " / ".join(f"{config[key]:g}" for key in TripwireResponse.TARGETS),
                     f"{summary['steps']}/{summary['horizon_steps']}",
                     f"{last['loss']:.4f}" if "loss" in last else NOT_RECORDED,
                     signed(last.get("rewards/margins")),
