@@ -13,6 +13,7 @@ entry points for reading a pair shard outside the trainer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,8 +218,14 @@ class PairShard:
         """Positions the collated batch of `rows` holds, padding included, without collating."""
         if not len(rows):
             return 0
-        widths = pair_row_widths(self.arrays, self.layout)[rows]
+        widths = self.layout_widths[rows]
         return layout_rows(widths, self.layout) * int(widths.max())
+
+    @functools.cached_property
+    def layout_widths(self) -> np.ndarray:
+        """Each pair's width in this shard's layout, read once: the probe sizes every step
+        of the horizon by it."""
+        return pair_row_widths(self.arrays, self.layout)
 
 
 def preference_dataset(path: str | Path, layout: str = "padded") -> PairShard:
