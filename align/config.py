@@ -327,8 +327,6 @@ class BatchConfig:
 
     # Ranks (one per GPU on CUDA) that train together.
     world_size: int = 1
-    # Ranks (GPUs) per node; 0 takes the site's run.gpus_per_node. world_size / this = nodes.
-    gpus_per_node: int = 0
     # Pairs per rank per forward; bounds activation memory.
     micro_batch: int = 1
     # Micro-batches summed before each optimizer step.
@@ -343,18 +341,12 @@ class BatchConfig:
     layout: str = "padded"
 
     def checks(self) -> list[Check]:
-        ranks, per_node = self.world_size, self.gpus_per_node
+        ranks = self.world_size
         product = ranks * self.micro_batch * self.grad_accum
         return [
             *positive_ints(self, "world_size", "micro_batch", "grad_accum", "global_batch"),
             at_least("epochs", self.epochs, 1),
             valid_seed("seed", self.seed),
-            Check(
-                "gpus_per_node",
-                per_node,
-                divides(ranks, ranks_per_node(ranks, per_node)),
-                f"0 (the site's value) or a divisor of world_size = {ranks}",
-            ),
             Check(
                 "global_batch",
                 self.global_batch,
@@ -685,7 +677,8 @@ class RunConfig:
     sft_checkpoint: str = ""
     # Where ranks compute (DEVICES); a device that is not there is refused, never replaced.
     device: str = "cpu"
-    # The site's ranks (GPUs) per node, for arms that pre-register none; 0: one node.
+    # The site's GPUs per node, so ranks per node: world_size / this = a job's nodes (0: one
+    # node). A placement, not a scientific choice: the workflow passes its gpus_per_node.
     gpus_per_node: int = 0
     # Math-library threads of each rank.
     threads: int = 2
@@ -764,6 +757,7 @@ class ArmConfig:
             segment_masked("batch.layout", self.batch.layout, self.model),
             segment_masked("ref.layout", self.ref.layout, self.ref),
             trains_on_its_device(self.model, self.run),
+            fits_nodes(self.batch, self.run),
         ]
 
     def gated_backends(self) -> list[str]:
@@ -782,6 +776,17 @@ def trains_on_its_device(model: ModelConfig, run: RunConfig) -> Check:
         not (backend in CUDA_BACKWARD_ATTENTION and run.device == "cpu"),
         f"a backend with a backward on {run.device!r} for training (flex has one on CUDA "
         "only): 'sdpa' or 'eager' on the CPU; ref.attn_implementation may still be 'flex'",
+    )
+
+
+def fits_nodes(batch: BatchConfig, run: RunConfig) -> Check:
+    """The site's nodes hold the world size exactly (align.topology)."""
+    per_node = ranks_per_node(batch.world_size, run.gpus_per_node)
+    return Check(
+        "run.gpus_per_node",
+        run.gpus_per_node,
+        run.gpus_per_node < 0 or divides(batch.world_size, per_node),  # < 0: the range check's
+        f"0 (one node) or a divisor of batch.world_size = {batch.world_size}",
     )
 
 
@@ -865,6 +870,7 @@ class SftConfig:
         return [
             Check("batch.layout", layout, layout == "padded", "'padded' (SFT rows are not pairs)"),
             trains_on_its_device(self.model, self.run),
+            fits_nodes(self.batch, self.run),
         ]
 
 

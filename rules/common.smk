@@ -262,9 +262,9 @@ def cpu_layout(wildcards):
 
 
 def batch_topology(batch):
-    """Nodes x ranks per node from the pre-registration and the site's gpus_per_node."""
+    """Nodes x ranks per node from the pre-registered world size and the site's gpus_per_node."""
     try:
-        return topology(batch.world_size, batch.gpus_per_node, config["gpus_per_node"])
+        return topology(batch.world_size, config["gpus_per_node"])
     except ConfigError as err:
         raise WorkflowError(str(err)) from err
 

@@ -377,10 +377,16 @@ def test_each_section_refuses_its_own_out_of_range_field(token, key, expected):
     assert f"key {key!r} expected {expected}, found" in message, message
 
 
-def test_ranks_per_node_that_do_not_divide_the_world_are_refused():
-    message = refused(ARGILLA, ArmConfig, ["--batch.world_size=3", "--batch.gpus_per_node=2"])
-    assert "key 'batch.gpus_per_node' expected 0 (the site's value) or a divisor of " in message
-    assert "world_size = 3, found 2" in message
+def test_site_gpus_per_node_that_do_not_divide_the_world_are_refused():
+    overrides = ["--batch.world_size=3", "--batch.global_batch=24", "--run.gpus_per_node=2"]
+    message = refused(ARGILLA, ArmConfig, overrides)
+    assert "key 'run.gpus_per_node' expected 0 (one node) or a divisor of " in message
+    assert "batch.world_size = 3, found 2" in message
+
+
+def test_the_placement_is_the_sites_not_the_pre_registrations():
+    message = refused(ARGILLA, ArmConfig, ["--batch.gpus_per_node=2"])
+    assert "batch.gpus_per_node" in message and "not a config key" in message, message
 
 
 def test_label_smoothing_is_refused_for_a_loss_it_does_not_apply_to():

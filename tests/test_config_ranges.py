@@ -70,7 +70,6 @@ OPTIMIZER = {
 }
 BATCH = {
     "world_size": 0,
-    "gpus_per_node": -1,
     "micro_batch": 0,
     "grad_accum": 0,
     "global_batch": 0,

@@ -138,8 +138,6 @@ def reduced_config(work: Path, **overrides) -> Path:
     (arms / f"{ARM}.toml").write_text(arm_toml)
     sft_toml = (REPO / "config" / "sft.toml").read_text()
     sft_toml = re.sub(r"(?m)^epochs = \d+$", "epochs = 1", sft_toml)
-    # SFT stays on one node: the arm's stages are the two-node jobs.
-    sft_toml = re.sub(r"(?m)^world_size = 2$", "world_size = 2\ngpus_per_node = 2", sft_toml)
     sft_toml = re.sub(r"(?m)^max_held_nll = .*$", "max_held_nll = 100.0", sft_toml)
     sft_toml = re.sub(
         r"(?m)^min_terminated_fraction = .*$", "min_terminated_fraction = 0.0", sft_toml
@@ -372,7 +370,7 @@ CLUSTER_RULES = (
 )
 TORCH_RULES = CLUSTER_RULES[1:]
 # The stages of two ranks, each a job of one task on each of the two nodes.
-TWO_NODE_RULES = ("ref_cache", "path_bias", "probe", "dpo")
+TWO_NODE_RULES = ("sft", "ref_cache", "path_bias", "probe", "dpo")
 
 
 def rule_of(job: dict[str, str]) -> str:
@@ -433,7 +431,7 @@ def test_model_loading_jobs_ask_for_their_stage_projection(slurm_run):
     shards = RunPaths.of(work / "results").arm(ARM)
     pairs = {split: shards.shard(split) for split in SPLITS}
     expected = {
-        "sft": projected_request("sft", sft, base, nodes=1),
+        "sft": projected_request("sft", sft, base, nodes=2),
         "sft_gate": projected_request("sft_gate", sft, checkpoint, nodes=1),
         "ref_cache": projected_request("ref_cache", arm, checkpoint, nodes=2, shards=pairs),
         "path_bias": projected_request("path_bias", arm, checkpoint, nodes=2, shards=pairs),
@@ -450,7 +448,7 @@ def test_model_loading_jobs_ask_for_their_stage_projection(slurm_run):
         job = slurm_run.of_rule(rule)[0]
         assert memory_mb(job["MinMemoryNode"]) == request, (rule, job)
     # Rank 0's staging of the base model and the exported policy are in the SFT request.
-    sft_terms = projected_job_rss(job_shape("sft", sft, 1), base, 0)["terms_mb"]
+    sft_terms = projected_job_rss(job_shape("sft", sft, 2), base, 0)["terms_mb"]
     assert {"load_staging_rank0", "export_gather_rank0"} <= sft_terms.keys()
 
 

@@ -782,4 +782,4 @@ def stage_nodes(stage: str, cfg: Any) -> int:
     batch = getattr(cfg, "batch", None)
     if batch is None or stage in SINGLE_PROCESS:
         return 1
-    return topology(batch.world_size, batch.gpus_per_node, cfg.run.gpus_per_node).nodes
+    return topology(batch.world_size, cfg.run.gpus_per_node).nodes
