@@ -237,8 +237,7 @@ def test_a_site_without_a_gpu_model_asks_for_any_gpu():
 def test_ref_path_overrides_build_the_cache_the_forward_impl_names():
     overrides = ref_path_overrides("flex-bf16-b8-packed")
     assert overrides == (
-        "--ref.attn_implementation=flex --ref.dtype=bfloat16 --ref.batch_size=8 "
-        "--ref.layout=packed"
+        "--ref.attn_implementation=flex --ref.dtype=bfloat16 --ref.batch_size=8 --ref.layout=packed"
     )
     with pytest.raises(ValueError, match="is not of the form"):
         ref_path_overrides("flex-bf16-b8-two_rows")
