@@ -591,48 +591,48 @@ class GenerationBandConfig:
 
 @dataclass
 class DisarmedWires:
-    """Why a pre-registration disarms a wire: required for each disarmed wire, refused for an
-    armed one, so no wire is switched off without a stated reason."""
+    """The wires, each armed unless the pre-registration states why it is off: the reason is
+    the switch, so no wire is off without one. These fields are the one list of wires."""
 
-    # Why tripwires.collapse = false.
+    # Why the collapse wire (chosen log-ratio below its floor) is off; empty: armed.
     collapse: str = ""
-    # Why tripwires.length_drift = false.
+    # Why the length-drift wire (the longer response preferred too often) is off; empty: armed.
     length_drift: str = ""
-    # Why tripwires.generation = false.
+    # Why the generation wire (greedy generations outside their band) is off; empty: armed.
     generation: str = ""
+
+
+WIRES = tuple(f.name for f in dataclasses.fields(DisarmedWires))
 
 
 @dataclass
 class TripwireConfig:
     """The wires watched while training (align.train.tripwires) and the one rerun's response."""
 
-    # Windowed chosen log-ratio per token below the floor while the margin grows.
-    collapse: bool = True
-    # Pairs the collapse wire's windowed means run over.
+    # Pairs the collapse wire's windowed means run over: it fires when the windowed chosen
+    # log-ratio per token falls below the floor while the margin grows.
     logps_window: int = 64
     # Nats per token; a log-ratio of either sign is meaningful, so any finite floor is.
     chosen_logp_floor: float = -1.0
-    # Share of pairs whose implicit reward prefers the longer response, vs the data's.
-    length_drift: bool = True
-    # Pairs the length share is taken over; the wire cannot fire before the window is full.
+    # Pairs the length-drift wire's share (pairs whose implicit reward prefers the longer
+    # response, against the data's) is taken over; it cannot fire before the window is full.
     length_window_pairs: int = 128
     # The share may leave the data's baseline by at most this much.
     length_band: float = 0.25
-    # Greedy generations (`generation_check`) every `generation_every_steps` optimizer
+    # The generation wire's greedy generations (`generation_check`) every this many optimizer
     # steps (and after the last) must stay inside `generation_band`.
-    generation: bool = True
     generation_every_steps: int = 25
     # The prompts and length of each check.
     generation_check: GenerationCheckConfig = field(default_factory=GenerationCheckConfig)
     # Where the generation wire's generations must stay.
     generation_band: GenerationBandConfig = field(default_factory=GenerationBandConfig)
-    # The stated reason for each wire switched off.
+    # The stated reason for each wire switched off (every other wire is armed).
     disarmed: DisarmedWires = field(default_factory=DisarmedWires)
     # The one pre-registered rerun after an alarm.
     response: TripwireResponse = field(default_factory=TripwireResponse)
 
     def checks(self) -> list[Check]:
-        """Windows and band in range; each disarmed wire states why, an armed wire has no reason."""
+        """Windows and band in range; a disarmed wire's reason says something."""
         checks = [
             *positive_ints(
                 self,
@@ -643,15 +643,25 @@ class TripwireConfig:
             finite("chosen_logp_floor", self.chosen_logp_floor, "a finite number"),
             in_range("length_band", self.length_band, 0, 1, "a share in [0, 1]"),
         ]
-        for wire in (f.name for f in dataclasses.fields(DisarmedWires)):
-            armed, reason = getattr(self, wire), getattr(self.disarmed, wire).strip()
-            expected = (
-                f"no reason while {wire} is armed (remove it, or set {wire} = false)"
-                if armed
-                else f"the reason {wire} = false disarms the wire, since none may go unexplained"
+        for wire in WIRES:
+            reason = getattr(self.disarmed, wire)
+            checks.append(
+                Check(
+                    f"disarmed.{wire}",
+                    reason,
+                    reason == "" or bool(reason.strip()),
+                    f"empty (the {wire} wire armed) or the reason it is off, not blank",
+                )
             )
-            checks.append(Check(f"disarmed.{wire}", reason, armed != bool(reason), expected))
         return checks
+
+    def armed(self, wire: str) -> bool:
+        if wire not in WIRES:
+            raise KeyError(f"{wire!r} is not a tripwire; the wires are {WIRES}")
+        return not getattr(self.disarmed, wire)
+
+    def armed_wires(self) -> list[str]:
+        return [wire for wire in WIRES if self.armed(wire)]
 
 
 @dataclass

@@ -67,24 +67,28 @@ WIRES = ("collapse", "length_drift", "generation")
 @pytest.mark.parametrize("path", sorted((CONFIG / "arms").glob("*.toml")), ids=lambda p: p.stem)
 def test_every_shipped_pre_registration_arms_every_wire(path):
     wires = load_config(path, ArmConfig).cfg.tripwires
-    assert {wire: getattr(wires, wire) for wire in WIRES} == dict.fromkeys(WIRES, True)
+    assert wires.armed_wires() == list(WIRES)
     assert all(not reason for reason in vars(wires.disarmed).values())
     assert wires.response.rpo_alpha and wires.response.rpo_alpha > 0
 
 
 @pytest.mark.parametrize("wire", WIRES)
-def test_a_disarmed_wire_without_a_reason_is_refused(wire):
+def test_a_wire_cannot_be_switched_off_without_a_reason(wire):
     message = refused(ARGILLA, ArmConfig, [f"--tripwires.{wire}=false"])
-    assert f"key 'tripwires.disarmed.{wire}' expected the reason {wire} = false disarms" in message
+    assert f"override key 'tripwires.{wire}' is not a config key" in message, message
+    message = refused(ARGILLA, ArmConfig, [f"--tripwires.disarmed.{wire}= "])
+    assert (
+        f"key 'tripwires.disarmed.{wire}' expected empty (the {wire} wire armed) or the " in message
+    )
     assert str(ARGILLA) in message
 
 
-def test_a_disarmed_wire_with_a_reason_loads_and_a_reason_for_an_armed_wire_is_refused():
-    reason = "--tripwires.disarmed.collapse=watched by the generation wire in this study"
-    cfg = load_config(ARGILLA, ArmConfig, ["--tripwires.collapse=false", reason]).cfg
-    assert cfg.tripwires.collapse is False
-    message = refused(ARGILLA, ArmConfig, [reason])
-    assert "key 'tripwires.disarmed.collapse' expected no reason while collapse is armed" in message
+@pytest.mark.parametrize("wire", WIRES)
+def test_a_stated_reason_disarms_its_wire_alone(wire):
+    reason = f"--tripwires.disarmed.{wire}=watched by hand in this study"
+    wires = load_config(ARGILLA, ArmConfig, [reason]).cfg.tripwires
+    assert not wires.armed(wire)
+    assert wires.armed_wires() == [w for w in WIRES if w != wire]
 
 
 @pytest.mark.parametrize(

@@ -157,10 +157,10 @@ BAD: dict[type, dict[str, Any]] = {
         "tripwires.generation_check.prompts": 0,
         "tripwires.generation_check.max_new_tokens": 0,
         **under("tripwires.generation_band", BAND),
-        # Every shipped wire is armed, and an armed wire takes no reason.
-        "tripwires.disarmed.collapse": "a reason for an armed wire",
-        "tripwires.disarmed.length_drift": "a reason for an armed wire",
-        "tripwires.disarmed.generation": "a reason for an armed wire",
+        # A reason disarms its wire, so it must say something.
+        "tripwires.disarmed.collapse": " ",
+        "tripwires.disarmed.length_drift": "\t",
+        "tripwires.disarmed.generation": "  ",
         "tripwires.response.lr": 0.0,
         "tripwires.response.beta": -1.0,
         "tripwires.response.rpo_alpha": -0.3,
@@ -223,10 +223,6 @@ EXEMPT: dict[type, dict[str, str]] = {
         "data.filters.exclude_in_gsm8k_train": FREE_BOOL,
         "dpo.length_normalize": FREE_BOOL,
         **under("trainer", TRAINER_EXEMPT),
-        # Disarming is free; disarming without a reason is refused under tripwires.disarmed.
-        "tripwires.collapse": FREE_BOOL,
-        "tripwires.length_drift": FREE_BOOL,
-        "tripwires.generation": FREE_BOOL,
         **under("run", RUN_EXEMPT),
     },
     SftConfig: {**under("trainer", TRAINER_EXEMPT), **under("run", RUN_EXEMPT)},

@@ -197,10 +197,7 @@ def bf16_arm(source: str) -> str:
     checks wiring)."""
     edited = source.replace('[model]\ndtype = "float32"', '[model]\ndtype = "bfloat16"')
     edited = edited.replace("[batch]\n", '[batch]\nlayout = "packed"\n')
-    edited = edited.replace("length_drift = true", "length_drift = false")
-    edited = edited.replace("generation = true", "generation = false")
-    changes = ('layout = "packed"', "length_drift = false", "generation = false")
-    for change in ('[model]\ndtype = "bfloat16"', *changes):
+    for change in ('[model]\ndtype = "bfloat16"', 'layout = "packed"'):
         assert change in edited, change
     disarmed = (
         '\n[tripwires.disarmed]\nlength_drift = "four micro-steps check wiring only"\n'

@@ -133,7 +133,6 @@ def reduced_config(work: Path, **overrides) -> Path:
     arms.mkdir(exist_ok=True)
     arm_toml = (REPO / "config" / "arms" / f"{ARM}.toml").read_text()
     arm_toml = re.sub(r"(?m)^epochs = \d+$", f"epochs = {ARM_EPOCHS}", arm_toml)
-    arm_toml = re.sub(r"(?m)^(collapse|length_drift|generation) = true$", r"\1 = false", arm_toml)
     arm_toml += SLURM_ARM_WIRES
     (arms / f"{ARM}.toml").write_text(arm_toml)
     sft_toml = (REPO / "config" / "sft.toml").read_text()

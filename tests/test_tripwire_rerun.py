@@ -27,16 +27,12 @@ STOP_MARKER = RunPaths.of("results").arm("argilla").stop_marker
 SHORT = ["--epochs=1", "--lr=2e-3"]
 GENERATION_EVERY = 5
 ONLY_GENERATION = [
-    "--tripwires.collapse=false",
     "--tripwires.disarmed.collapse=this test watches the generation wire alone",
-    "--tripwires.length_drift=false",
     "--tripwires.disarmed.length_drift=this test watches the generation wire alone",
     f"--tripwires.generation_every_steps={GENERATION_EVERY}",
 ]
 ONLY_COLLAPSE = [
-    "--tripwires.generation=false",
     "--tripwires.disarmed.generation=this test watches the collapse wire alone",
-    "--tripwires.length_drift=false",
     "--tripwires.disarmed.length_drift=this test watches the collapse wire alone",
 ]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from align.config import ArmConfig, DisarmedWires, TripwireResponse
+from align.config import ArmConfig, TripwireResponse
 from align.data.loader import PairShard
 from align.eval.generation import generation_check, generation_prompts
 from align.eval.preference import implicit_reward_preference, policy_preference, score_pairs
@@ -161,7 +161,7 @@ def run_probe(
 
 def timed_generation_check(cfg: ArmConfig, gated: Gated, held, model, info) -> float | None:
     """Seconds of one generation check as training runs it (None: the wire is unarmed)."""
-    if not cfg.tripwires.generation:
+    if not cfg.tripwires.armed("generation"):
         return None
     schedule = GenerationSchedule.of(cfg, held, gated.entry.pins)
     started = time.perf_counter()
@@ -377,7 +377,7 @@ def _fit_with_wires(cfg: ArmConfig, gated: Probed, name: str, session: Session) 
     """The run's tripwires armed around its fit: the step-0 generation check, then every step."""
     info, model, trainer, shards = session.info, session.model, session.trainer, session.shards
     schedule, band = None, None
-    if cfg.tripwires.generation:
+    if cfg.tripwires.armed("generation"):
         schedule = GenerationSchedule.of(cfg, shards["held"], gated.entry.pins)
         start = schedule.run(model, info, 0)
         chosen = chosen_responses(shards["held"].arrays, schedule.eos_id)
@@ -586,7 +586,7 @@ def tripwire_section(
     records = [run.record for run in runs]
     rerun = len(records) > 1
     return TripwireRecord(
-        armed=armed_wires(cfg),
+        armed=cfg.tripwires.armed_wires(),
         disarmed={k: v for k, v in dataclasses.asdict(cfg.tripwires.disarmed).items() if v},
         rerun=rerun,
         response=response,
@@ -595,8 +595,3 @@ def tripwire_section(
         fired=[{"run": r.run, **a} for r in records for a in r.alarms],
         runs=[r.as_dict() for r in records],
     ).as_dict()
-
-
-def armed_wires(cfg: ArmConfig) -> list[str]:
-    wires = [f.name for f in dataclasses.fields(DisarmedWires)]
-    return [wire for wire in wires if getattr(cfg.tripwires, wire)]

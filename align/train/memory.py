@@ -454,7 +454,7 @@ def generation_of(stage: str, cfg: Any) -> tuple[int, int]:
         check = cfg.gate.generation_check
     elif stage == "select_arms":
         check = cfg.generation_check
-    elif cfg.tripwires.generation:
+    elif cfg.tripwires.armed("generation"):
         check = cfg.tripwires.generation_check
     else:
         return 0, 0

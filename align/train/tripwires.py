@@ -178,15 +178,15 @@ class Tripwires:
     ) -> Tripwires:
         """`generation_band` is required when the generation wire is armed."""
         detectors = []
-        if cfg.collapse:
+        if cfg.armed("collapse"):
             detectors.append(ChosenCollapse(cfg.logps_window, cfg.chosen_logp_floor))
-        if cfg.length_drift:
+        if cfg.armed("length_drift"):
             detectors.append(
                 LengthDrift(cfg.length_window_pairs, chosen_longer_baseline, cfg.length_band)
             )
         signals = {d.name: [] for d in detectors}
         generation = None
-        if cfg.generation:
+        if cfg.armed("generation"):
             if generation_band is None:
                 raise ValueError("the generation wire is armed but no generation band was given")
             generation = GenerationWire(generation_band)
