@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from align.exit_codes import USAGE, AlignError, ConfigError
+from align.log import stage_logger
 from align.paths import ReportPaths, RunPaths
 from align.report.summary import gather, render_text
 from align.stages.entry import parse_stage_args
@@ -104,7 +105,7 @@ def memory(arm_toml: Path, checkpoint: Path, overrides: Sequence[str]) -> int:
 
 def report(results_dir: Path, arms: Sequence[str] | None, figures: bool) -> int:
     if not results_dir.is_dir():
-        print(f"align report: {results_dir}: no such results directory", file=sys.stderr)
+        stage_logger("report").error(f"{results_dir}: no such results directory")
         return USAGE
     summary = gather(results_dir, arms)
     sys.stdout.write(render_text(summary))
@@ -184,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return memory(args.arm_toml, args.checkpoint, [*args.overrides, *rest])
         except AlignError as err:
-            print(f"align memory: {err}", file=sys.stderr)
+            stage_logger("memory").error(str(err))
             return err.exit_code
     if args.command == "preregister":
         try:
@@ -194,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 split.configs, split.overrides, args.checkpoint, args.workflow_config, args.write
             )
         except AlignError as err:
-            print(f"align preregister: {err}", file=sys.stderr)
+            stage_logger("preregister").error(str(err))
             return err.exit_code
     if rest:
         parser().error(f"unrecognized arguments: {' '.join(rest)}")

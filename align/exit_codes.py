@@ -10,6 +10,8 @@ import sys
 import traceback
 from collections.abc import Callable
 
+from align.log import stage_logger
+
 OK = 0
 USAGE = 2
 GATE_REFUSED = 3
@@ -67,17 +69,19 @@ class ResumableStop(AlignError):
 
 
 def run_with_exit_codes(main: Callable[[], int | None], stage: str) -> None:
-    """Run `main` and exit with its documented code, printing a one-line reason on error."""
+    """Run `main` and exit with its documented code, logging a one-line reason on error
+    (`align STAGE: reason`, the line the workflow's logs and the tests read)."""
+    log = stage_logger(stage)
     try:
         code = main()
     except AlignError as err:
-        print(f"align {stage}: {err}", file=sys.stderr)
+        log.error(str(err))
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
-        print(f"align {stage}: interrupted", file=sys.stderr)
+        log.error("interrupted")
         sys.exit(RESUMABLE_STOP)
     except Exception:
         traceback.print_exc()
-        print(f"align {stage}: internal error (exit {INTERNAL})", file=sys.stderr)
+        log.error(f"internal error (exit {INTERNAL})")
         sys.exit(INTERNAL)
     sys.exit(OK if code is None else code)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from align.constants import LAUNCHER_PID_ENV
 from align.exit_codes import INTERNAL, RESUMABLE_STOP
+from align.log import stage_logger
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse(argv)
     code = launch(ns)
     if code in ns.accept_exit:
-        print(f"align.launch: exit {code} accepted (--accept-exit)", file=sys.stderr)
+        stage_logger("launch").info(f"exit {code} accepted (--accept-exit)")
         return 0
     return code
 

@@ -14,7 +14,7 @@ ALIGN = Path(__file__).resolve().parents[1] / "align"
 
 # Lowest first. A module may import from its own layer or any layer listed before it.
 LAYERS = (
-    ("__init__", "exit_codes", "constants"),
+    ("__init__", "exit_codes", "constants", "log"),
     ("topology", "paths", "receipts"),
     ("config",),
     ("utils", "losses"),

@@ -11,7 +11,7 @@ import pytest
 
 WRITER = """
 import sys
-from align.utils.log import stage_logger
+from align.log import stage_logger
 log = stage_logger("dpo")
 for i in range(int(sys.argv[1])):
     log.info("rank line %d reduces in float32" % i)

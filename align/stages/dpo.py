@@ -25,6 +25,7 @@ from align.eval.preference import implicit_reward_preference, policy_preference,
 from align.eval.sanity import GenerationBand, chosen_responses, judge
 from align.exit_codes import ConfigError
 from align.kernels.flex import compile_seconds
+from align.log import stage_logger
 from align.losses.dpo import DPOObjective
 from align.paths import FIRST_RUN, RERUN, SPLITS, ended_run_in
 from align.receipts import read_json, write_json_atomic
@@ -41,7 +42,6 @@ from align.train.ref_cache import load_ref_cache
 from align.train.session import build_trainer, export_policy, load_policy, start_session
 from align.train.tripwires import Alarm, Tripwires, describe_alarm
 from align.utils.dist import DistInfo, all_gather_floats, any_rank, barrier
-from align.utils.log import stage_logger
 from align.utils.weights_hash import weights_fingerprint
 
 LOG = stage_logger("dpo")

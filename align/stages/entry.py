@@ -17,8 +17,8 @@ from typing import Any
 
 from align.config import Loaded
 from align.exit_codes import ConfigError
+from align.log import stage_logger
 from align.receipts import hash_json, make_receipt, now_iso, write_json_atomic
-from align.utils.log import stage_logger
 
 
 @dataclass

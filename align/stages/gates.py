@@ -17,6 +17,7 @@ from typing import Any
 from align.config import ArmConfig, pinned_data_config
 from align.data.manifest import Manifest
 from align.exit_codes import GateRefused, PreflightRefused
+from align.log import stage_logger
 from align.model.checkpoint_files import NotACheckpoint, checkpoint_files
 from align.model.tokenizer_hash import tokenizer_hash
 from align.paths import SPLITS, RunPaths
@@ -35,7 +36,6 @@ from align.train.ref_cache import (
     expected_key,
     ref_forward_impl,
 )
-from align.utils.log import stage_logger
 from align.utils.weights_hash import weights_fingerprint, weights_hash
 
 LOG = stage_logger("gates")

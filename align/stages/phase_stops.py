@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any, Self
 
 from align.exit_codes import GateRefused, ResumableStop
+from align.log import stage_logger
 from align.paths import trained_record_in
 from align.receipts import read_json, write_json_atomic
 from align.stages.entry import is_main_process
 from align.train.stop_marker import StopMarker
 from align.train.trainer import StopRequest
 from align.utils.dist import any_rank, barrier
-from align.utils.log import stage_logger
 from align.utils.weights_hash import weights_fingerprint
 
 EXPORT, EVALUATE = "export", "evaluate"

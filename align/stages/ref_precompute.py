@@ -27,6 +27,7 @@ from align.data import deal
 from align.data.loader import PairShard
 from align.eval.preference import score_blocks, score_pairs
 from align.exit_codes import AlignError
+from align.log import stage_logger
 from align.train.phases import PhaseMeter
 from align.train.ref_cache import (
     PART_SUFFIX,
@@ -40,7 +41,6 @@ from align.train.ref_cache import (
 )
 from align.train.session import load_policy, start_session
 from align.utils.dist import DistInfo, barrier
-from align.utils.log import stage_logger
 
 LOG = stage_logger("ref_cache")
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from align.config import ArmConfig, SelectionConfig, load_config, to_dict
 from align.data.manifest import Manifest
+from align.log import stage_logger
 from align.paths import RunPaths, SelectionPaths
 from align.receipts import FAILED, PASSED, hash_file
 from align.stages import gates
@@ -21,7 +22,6 @@ from align.stages.arm_result import ArmResult
 from align.stages.entry import Stage, parse_stage_args
 from align.train.memory import check_stage_rss, selection_seq_len
 from align.utils.guard import configure_cpu
-from align.utils.log import stage_logger
 
 LOG = stage_logger("select_arms")
 

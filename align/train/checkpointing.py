@@ -21,10 +21,10 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from align.log import stage_logger
 from align.paths import checkpoints_in
 from align.receipts import read_json, write_json_atomic
 from align.utils.dist import DistInfo, barrier
-from align.utils.log import stage_logger
 
 NAME = re.compile(r"^micro_(\d{8})$")
 COMPLETE = "COMPLETE"

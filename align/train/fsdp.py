@@ -16,13 +16,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from align.log import stage_logger
 from align.model.checkpoint import hf_to_nmo, read_safetensors_state
 from align.model.checkpoint_shapes import verified_hf_config
 from align.model.mistral import NmoMistralForCausalLM
 from align.train.precision import Precision, mixed_precision_policy, verify_precision
 from align.utils.dist import DistInfo
 from align.utils.dtypes import TORCH_DTYPES
-from align.utils.log import stage_logger
 
 NO_CASTS = MixedPrecisionPolicy()
 

@@ -15,6 +15,7 @@ from align.constants import GATED_ATTENTION
 from align.data.loader import BatchSource, PairShard
 from align.data.sampler import StepSampler
 from align.exit_codes import ConfigError
+from align.log import stage_logger
 from align.model.checkpoint import save_hf_state
 from align.model.hf_config import load_hf_config
 from align.paths import RunPaths
@@ -34,7 +35,6 @@ from align.utils.dist import (
     assert_launch_topology,
     init_distributed,
 )
-from align.utils.log import stage_logger
 
 LOG = stage_logger()
 

@@ -24,12 +24,12 @@ from tqdm import tqdm
 
 from align.config import TrainerConfig
 from align.exit_codes import AlignError, ResumableStop
+from align.log import stage_logger
 from align.paths import metrics_in, stop_marker_in
 from align.train.checkpointing import CheckpointManager
 from align.train.progress import Progress
 from align.train.stop_marker import StopMarker
 from align.utils.dist import DistInfo, all_reduce_sum, any_rank, barrier
-from align.utils.log import stage_logger
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
