@@ -233,7 +233,7 @@ def test_bfloat16_packed_training_recomputes_the_cache_with_its_layout_and_train
 ):
     work, args = bf16_workflow
     arm = RunPaths.of(work / "results").arm(ARM)
-    fp32_impl = read_cache_key(arm.ref_cache(CACHE_IMPL, "train"))["forward_impl"]
+    fp32_impl = read_cache_key(arm.ref_cache(CACHE_IMPL, "train")).forward_impl
     assert fp32_impl == CACHE_IMPL
 
     bias = run_snakemake(
@@ -262,7 +262,7 @@ def test_bfloat16_packed_training_recomputes_the_cache_with_its_layout_and_train
         cache = arm.ref_cache(TRAINING_IMPL, split)
         assert result["caches"][split] == str(cache.relative_to(work / "results"))
         key = read_cache_key(cache)
-        assert (key["forward_impl"], key["dtype"]) == (TRAINING_IMPL, "bfloat16"), key
+        assert (key.forward_impl, key.dtype) == (TRAINING_IMPL, "bfloat16"), key
     assert result["path_bias"]["action"] == RECOMPUTE
     gate = {row["gate"]: row for row in result["gates"]}["path_bias"]
     assert gate["figures"]["cache"] == TRAINING_IMPL, gate

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import struct
@@ -21,6 +22,7 @@ from align.train.ref_cache import (
     CACHE_FORMAT,
     KEY_COMPONENTS,
     TENSORS_HASH,
+    CacheKey,
     arrays_tensors_hash,
     check_key,
     check_tensors,
@@ -36,14 +38,14 @@ from align.utils.weights_hash import file_tensors_hash, read_safetensors_header
 # The tiny model is built on CPU; one thread avoids hand-off overhead on this small work.
 torch.set_num_threads(1)
 
-KEY = {
-    "checkpoint_weights": "w" * 64,
-    "tokenizer": "t" * 64,
-    "shard": "s" * 64,
-    "seq_len_truncation": "96:prompt_left_response_right",
-    "dtype": "float32",
-    "forward_impl": "sdpa-fp32-b16-padded",
-}
+KEY = CacheKey(
+    checkpoint_weights="w" * 64,
+    tokenizer="t" * 64,
+    shard="s" * 64,
+    seq_len_truncation="96:prompt_left_response_right",
+    dtype="float32",
+    forward_impl="sdpa-fp32-b16-padded",
+)
 IDS = np.array([50, 10, 30, 20], dtype=np.int64)
 CHOSEN = np.array([-5.0, -1.0, -3.0, -2.0], dtype=np.float32)
 REJECTED = np.array([-50.0, -10.0, -30.0, -20.0], dtype=np.float32)
@@ -83,24 +85,47 @@ def test_write_leaves_only_the_cache_file(cache):
 
 
 def test_matching_key_is_accepted(cache):
-    check_key(cache, dict(KEY))
+    check_key(cache, dataclasses.replace(KEY))
 
 
 @pytest.mark.parametrize("component", KEY_COMPONENTS)
 def test_each_changed_key_component_is_refused_by_name(cache, component):
-    expected = {**KEY, component: KEY[component] + "-changed"}
+    expected = dataclasses.replace(KEY, **{component: getattr(KEY, component) + "-changed"})
     message = refusal(check_key, cache, expected)
     assert repr(component) in message
     assert str(cache) in message
-    assert repr(expected[component]) in message
-    assert repr(KEY[component]) in message
+    assert repr(getattr(expected, component)) in message
+    assert repr(getattr(KEY, component)) in message
     # Loading goes through the same check.
     assert repr(component) in refusal(load_ref_cache, cache, expected, IDS)
 
 
 def test_six_components():
-    assert len(KEY_COMPONENTS) == 6
-    assert set(KEY_COMPONENTS) == set(KEY)
+    assert KEY_COMPONENTS == (
+        "checkpoint_weights",
+        "tokenizer",
+        "shard",
+        "seq_len_truncation",
+        "dtype",
+        "forward_impl",
+    )
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        {c: "x" for c in KEY_COMPONENTS if c != "dtype"},
+        {**{c: "x" for c in KEY_COMPONENTS}, "extra": "x"},
+        ["not", "a", "key"],
+    ],
+    ids=["missing_component", "foreign_component", "not_a_mapping"],
+)
+def test_a_stored_key_of_another_shape_is_refused_by_its_components(cache, stored):
+    metadata = read_metadata(cache)
+    arrays = load_file(str(cache))
+    save_file(arrays, str(cache), metadata=single_key_metadata({**metadata, "key": stored}))
+    message = refusal(read_cache_key, cache)
+    assert str(cache) in message and "key expected ['checkpoint_weights'" in message, message
 
 
 def test_missing_pair_ids_are_refused(cache):
@@ -168,7 +193,7 @@ def test_cache_rewritten_with_its_own_hash_is_refused_against_the_receipt(cache)
 def test_metadata_hash_differing_from_the_receipt_is_refused(cache):
     recorded = file_tensors_hash(cache)
     arrays = load_file(str(cache))
-    metadata = {"format": CACHE_FORMAT, "key": KEY, TENSORS_HASH: "0" * 64}
+    metadata = {"format": CACHE_FORMAT, "key": KEY.as_dict(), TENSORS_HASH: "0" * 64}
     save_file(arrays, str(cache), metadata=single_key_metadata(metadata))
     message = refusal(check_tensors, cache, recorded, "receipt.json")
     assert f"metadata {TENSORS_HASH} expected {recorded[:12]}" in message
@@ -221,7 +246,7 @@ def copy(tmp_path, checkpoint) -> Path:
     return target
 
 
-def key_of(checkpoint: Path) -> dict[str, str]:
+def key_of(checkpoint: Path) -> CacheKey:
     shard = checkpoint.parent / "pairs.safetensors"
     return expected_key(
         checkpoint, shard, 96, "prompt_left_response_right", "float32", "sdpa-fp32-b16-padded"
@@ -240,14 +265,14 @@ def flip_one_weight_byte(checkpoint: Path) -> None:
 
 def test_expected_key_is_stable(copy):
     assert key_of(copy) == key_of(copy)
-    assert key_of(copy)["seq_len_truncation"] == "96:prompt_left_response_right"
+    assert key_of(copy).seq_len_truncation == "96:prompt_left_response_right"
 
 
 def test_one_weight_byte_changes_only_the_weights_component(copy):
     before = key_of(copy)
     flip_one_weight_byte(copy)
     after = key_of(copy)
-    changed = {c for c in KEY_COMPONENTS if before[c] != after[c]}
+    changed = {c for c in KEY_COMPONENTS if getattr(before, c) != getattr(after, c)}
     assert changed == {"checkpoint_weights"}
 
 
@@ -263,11 +288,11 @@ def test_a_tokenizer_edit_changes_only_the_tokenizer_component(copy):
     path = copy / TOKENIZER_FILE
     path.write_text(path.read_text() + " ")
     after = key_of(copy)
-    assert {c for c in KEY_COMPONENTS if before[c] != after[c]} == {"tokenizer"}
+    assert {c for c in KEY_COMPONENTS if getattr(before, c) != getattr(after, c)} == {"tokenizer"}
 
 
 def test_a_shard_edit_changes_only_the_shard_component(copy):
     before = key_of(copy)
     (copy.parent / "pairs.safetensors").write_bytes(b"other shard bytes")
     after = key_of(copy)
-    assert {c for c in KEY_COMPONENTS if before[c] != after[c]} == {"shard"}
+    assert {c for c in KEY_COMPONENTS if getattr(before, c) != getattr(after, c)} == {"shard"}

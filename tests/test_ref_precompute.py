@@ -7,6 +7,7 @@ process does; part files of another key or layout are discarded, naming why.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ from align.stages.ref_precompute import (
     slice_size,
 )
 from align.train.ref_cache import (
+    CacheKey,
     expected_key,
     load_ref_cache,
     part_path,
@@ -54,7 +56,7 @@ def workdir(tmp_path_factory) -> Path:
     return work
 
 
-def cache_key(work: Path) -> dict[str, str]:
+def cache_key(work: Path) -> CacheKey:
     return expected_key(
         work / "base",
         work / "pairs.safetensors",
@@ -125,18 +127,18 @@ def test_two_ranks_build_the_same_bytes_as_one(workdir, uninterrupted):
 # --- part files, without a model ------------------------------------------------------
 
 IDS = np.array([7, 3, 9, 1, 4], dtype=np.int64)
-KEY = {
-    "checkpoint_weights": "w" * 64,
-    "tokenizer": "t" * 64,
-    "shard": "s" * 64,
-    "seq_len_truncation": "96:prompt_left_response_right",
-    "dtype": "float32",
-    "forward_impl": "sdpa-fp32-b2-padded",
-}
+KEY = CacheKey(
+    checkpoint_weights="w" * 64,
+    tokenizer="t" * 64,
+    shard="s" * 64,
+    seq_len_truncation="96:prompt_left_response_right",
+    dtype="float32",
+    forward_impl="sdpa-fp32-b2-padded",
+)
 BOUNDS = slice_rows(len(IDS), 2)  # [0, 2), [2, 4), [4, 5)
 
 
-def write_part(parts: Path, index: int, key: dict = KEY, rows=None) -> Path:
+def write_part(parts: Path, index: int, key: CacheKey = KEY, rows=None) -> Path:
     start, stop = rows or BOUNDS[index]
     values = -np.arange(start, stop, dtype=np.float32)
     return write_cache_part(
@@ -164,12 +166,12 @@ def test_valid_parts_are_reused(tmp_path):
 def test_a_part_under_another_key_is_discarded_naming_the_component(tmp_path, component):
     parts = tmp_path / "parts"
     write_part(parts, 0)
-    stale = write_part(parts, 1, key={**KEY, component: "other"})
+    stale = write_part(parts, 1, key=dataclasses.replace(KEY, **{component: "other"}))
     reused, discarded = reusable_parts(parts, BOUNDS, IDS, KEY)
     assert reused == [0]
     (line,) = discarded
     assert str(stale) in line and f"key component {component!r}" in line
-    assert repr(KEY[component]) in line and "'other'" in line
+    assert repr(getattr(KEY, component)) in line and "'other'" in line
     assert not stale.exists()
 
 
@@ -218,7 +220,7 @@ def test_merge_refuses_a_part_that_no_longer_matches(tmp_path):
     parts = tmp_path / "parts"
     for index in range(len(BOUNDS)):
         write_part(parts, index)
-    write_part(parts, 1, key={**KEY, "shard": "changed"})
+    write_part(parts, 1, key=dataclasses.replace(KEY, shard="changed"))
     with pytest.raises(AlignError, match="slice 1 changed while merging: key component 'shard'"):
         merge_parts(parts, tmp_path / "train.safetensors", BOUNDS, IDS, KEY)
     assert part_path(parts, 0).exists()

@@ -191,7 +191,7 @@ def banner(cfg: ArmConfig, gated: Gated, model, info: DistInfo) -> str:
         ("pairs", f"train {counts['train']}, held {counts['held']}"),
         (
             "cache",
-            f"{gated.caches['train'].key['forward_impl']} shard {gated.caches['train'].key['shard'][:12]}",
+            f"{gated.caches['train'].key.forward_impl} shard {gated.caches['train'].key.shard[:12]}",
         ),
         ("path bias", f"ratio {gated.path_bias.ratio:.3f} -> {gated.path_bias.action}"),
         (

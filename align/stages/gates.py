@@ -31,6 +31,7 @@ from align.train.path_bias import RECOMPUTE, PathBias, TrainingPath
 from align.train.probes import ProbeReceipt
 from align.train.ref_cache import (
     TENSORS_HASH,
+    CacheKey,
     check_key,
     check_tensors,
     expected_key,
@@ -68,7 +69,7 @@ class CacheInUse:
     """A reference cache the gates checked (key, then tensor bytes) for one split."""
 
     path: Path
-    key: dict[str, str]
+    key: CacheKey
 
 
 def sft_gate(paths: RunPaths) -> SftPolicy:
@@ -195,7 +196,7 @@ class GateWork(OfArm):
     def descoped(self) -> bool:
         return self.entry is not None and self.entry.status == DESCOPED
 
-    def cache_key(self, split: str, forward_impl: str, dtype: str) -> dict[str, str]:
+    def cache_key(self, split: str, forward_impl: str, dtype: str) -> CacheKey:
         data = self.cfg.data
         return expected_key(
             self.checkpoint,
@@ -268,7 +269,7 @@ def _gate_ref_cache(ctx: GateWork) -> dict[str, Any]:
 
 def _gate_path_bias(ctx: GateWork) -> dict[str, Any]:
     bias = PathBias.of(load_receipt(ctx.arm.path_bias, "path_bias", stage="path_bias"))
-    cache_impl = ctx.caches["train"].key["forward_impl"]
+    cache_impl = ctx.caches["train"].key.forward_impl
     if bias.cache_forward_impl != cache_impl:
         raise GateRefused(
             "path_bias",

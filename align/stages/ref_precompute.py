@@ -26,13 +26,14 @@ from align.config import ModelConfig, RefConfig, RunConfig
 from align.data import deal
 from align.data.loader import PairShard
 from align.eval.preference import score_blocks, score_pairs
-from align.exit_codes import AlignError
+from align.exit_codes import AlignError, GateRefused
 from align.log import stage_logger
 from align.train.phases import PhaseMeter
 from align.train.ref_cache import (
+    GATE,
     PART_SUFFIX,
+    CacheKey,
     forward_impl_name,
-    key_mismatch,
     part_path,
     parts_dir,
     read_cache_part,
@@ -56,10 +57,13 @@ def part_problem(
     index: int,
     bounds: list[tuple[int, int]],
     pair_ids: np.ndarray,
-    key: dict[str, str],
+    key: CacheKey,
 ) -> str | None:
     """Why a part cannot stand in for slice `index` of this cache, or None when it can."""
-    mismatch = key_mismatch(metadata["key"], key)
+    try:
+        mismatch = CacheKey.of(metadata["key"], "part", GATE).mismatch(key)
+    except GateRefused as err:
+        return str(err)
     if mismatch:
         return mismatch
     if index >= len(bounds):
@@ -83,7 +87,7 @@ def _part_index(path: Path) -> int:
 
 
 def reusable_parts(
-    parts: Path, bounds: list[tuple[int, int]], pair_ids: np.ndarray, key: dict[str, str]
+    parts: Path, bounds: list[tuple[int, int]], pair_ids: np.ndarray, key: CacheKey
 ) -> tuple[list[int], list[str]]:
     """Indices of the parts valid for this cache; every other file in `parts` is removed.
 
@@ -111,7 +115,7 @@ def reusable_parts(
 
 
 def merge_parts(
-    parts: Path, out: Path, bounds: list[tuple[int, int]], pair_ids: np.ndarray, key: dict[str, str]
+    parts: Path, out: Path, bounds: list[tuple[int, int]], pair_ids: np.ndarray, key: CacheKey
 ) -> None:
     """Write the cache from every slice's part, in row order, then remove the parts."""
     chosen, rejected = [], []
@@ -149,7 +153,7 @@ def _slice_tokens(shard: PairShard, bounds: list[tuple[int, int]], indices: list
 
 
 def precompute_ref_cache(
-    model, shard: PairShard, out: Path, key: dict[str, str], cfg: RefConfig, info: DistInfo
+    model, shard: PairShard, out: Path, key: CacheKey, cfg: RefConfig, info: DistInfo
 ) -> dict[str, Any]:
     """Score every pair of `shard` into the cache `out`, reusing valid parts; returns figures."""
     bounds = deal.slice_rows(len(shard), slice_size(cfg))
@@ -199,7 +203,7 @@ def precompute_ref_cache(
         "world_size": info.world_size,
         "seconds": elapsed,
         "tokens_per_s": computed_tokens / elapsed if computed_tokens else None,
-        "key": key,
+        "key": key.as_dict(),
         "precision": model.precision,
         "devices": list(info.devices),
     }
@@ -207,7 +211,7 @@ def precompute_ref_cache(
 
 def precompute_ref_caches(
     checkpoint: str | Path,
-    jobs: list[tuple[str, Path, dict[str, str]]],
+    jobs: list[tuple[str, Path, CacheKey]],
     cfg: RefConfig,
     run: RunConfig,
     run_dir: Path,
@@ -232,12 +236,12 @@ def precompute_ref_caches(
     return {**figures, "phases": meter.report(projection)}, info
 
 
-def _check_key_names_live_path(key: dict[str, str], model, cfg: RefConfig, out: Path) -> None:
+def _check_key_names_live_path(key: CacheKey, model, cfg: RefConfig, out: Path) -> None:
     """The key's dtype and forward_impl must name what the loaded model computes in."""
     live = forward_impl_name(
         model.attn_implementation, model.precision["compute"], cfg.batch_size, cfg.layout
     )
-    found = (key["dtype"], key["forward_impl"])
+    found = (key.dtype, key.forward_impl)
     if found != (model.precision["compute"], live):
         raise AlignError(
             f"{out}: cache key names dtype {found[0]!r} and forward_impl {found[1]!r}, but the "
@@ -250,7 +254,7 @@ def run_path_bias(
     checkpoint: str,
     shard_path: str,
     cache: Path,
-    key: dict[str, str],
+    key: CacheKey,
     run_dir: Path,
     projection: dict[str, Any] | None = None,
 ):
@@ -276,6 +280,6 @@ def run_path_bias(
     errors = margin_errors(chosen, rejected, ref_chosen[rows], ref_rejected[rows])
     training = TrainingPath.of_model(model, cfg.batch.micro_batch, shard.layout)
     settings = dataclasses.asdict(cfg.path_bias)
-    figures = path_bias_figures(errors, settings, key["forward_impl"], training)
+    figures = path_bias_figures(errors, settings, key.forward_impl, training)
     placed = {"precision": model.precision, "devices": list(info.devices)}
     return {**figures, **placed, "phases": meter.report(projection)}, info

@@ -15,8 +15,10 @@ precompute can tell which slices it may reuse (align.stages.ref_precompute).
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Self
 
 if TYPE_CHECKING:
     import numpy as np
@@ -28,14 +30,45 @@ from align.model.tokenizer_hash import tokenizer_hash
 from align.receipts import atomic_path, hash_file
 from align.utils.weights_hash import file_tensors_hash, raw_tensors_hash, weights_hash
 
-KEY_COMPONENTS = (
-    "checkpoint_weights",
-    "tokenizer",
-    "shard",
-    "seq_len_truncation",
-    "dtype",
-    "forward_impl",
-)
+
+@dataclass(frozen=True)
+class CacheKey:
+    """What a cache was computed from: any difference makes it another cache."""
+
+    # Hash of the reference checkpoint's weight bytes.
+    checkpoint_weights: str
+    # Hash of the tokenizer files the shard was tokenized with.
+    tokenizer: str
+    # Hash of the pair shard's file.
+    shard: str
+    # `seq_len:truncation`, how rows were cut.
+    seq_len_truncation: str
+    # The dtype the reference computed in.
+    dtype: str
+    # The forward path (forward_impl_name): attention, dtype, batch and layout.
+    forward_impl: str
+
+    @classmethod
+    def of(cls, stored: Any, where: str | Path, gate: str) -> Self:
+        """The key as a file's metadata stores it; a missing or foreign component is refused."""
+        if not isinstance(stored, dict) or set(stored) != set(KEY_COMPONENTS):
+            found = sorted(stored) if isinstance(stored, dict) else type(stored).__name__
+            raise GateRefused(gate, f"{where}: key expected {list(KEY_COMPONENTS)}, found {found}")
+        return cls(**{name: str(stored[name]) for name in KEY_COMPONENTS})
+
+    def as_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+    def mismatch(self, expected: CacheKey) -> str | None:
+        """The first component that differs, as `component 'x' expected .., found ..`."""
+        for component in KEY_COMPONENTS:
+            found, wanted = getattr(self, component), getattr(expected, component)
+            if found != wanted:
+                return f"key component {component!r} expected {wanted!r}, found {found!r}"
+        return None
+
+
+KEY_COMPONENTS = tuple(f.name for f in dataclasses.fields(CacheKey))
 DTYPE_TAGS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 GATE = "ref_cache"
 CACHE_FORMAT = "align-ref-cache-v1"
@@ -90,16 +123,16 @@ def expected_key(
     dtype: str,
     forward_impl: str,
     checkpoint_weights: str | None = None,
-) -> dict[str, str]:
+) -> CacheKey:
     """The six components; `checkpoint_weights` skips re-hashing a checkpoint already verified."""
-    return {
-        "checkpoint_weights": checkpoint_weights or weights_hash(checkpoint),
-        "tokenizer": tokenizer_hash(checkpoint),
-        "shard": hash_file(shard),
-        "seq_len_truncation": f"{seq_len}:{truncation}",
-        "dtype": dtype,
-        "forward_impl": forward_impl,
-    }
+    return CacheKey(
+        checkpoint_weights=checkpoint_weights or weights_hash(checkpoint),
+        tokenizer=tokenizer_hash(checkpoint),
+        shard=hash_file(shard),
+        seq_len_truncation=f"{seq_len}:{truncation}",
+        dtype=dtype,
+        forward_impl=forward_impl,
+    )
 
 
 def _arrays(pair_ids: np.ndarray, chosen: np.ndarray, rejected: np.ndarray) -> dict:
@@ -139,7 +172,7 @@ def write_ref_cache(
     pair_ids: np.ndarray,
     chosen: np.ndarray,
     rejected: np.ndarray,
-    key: dict[str, str],
+    key: CacheKey,
 ) -> str:
     """Write the cache sorted by pair id, its key and tensor hash in the metadata; returns that hash."""
     import numpy as np
@@ -147,19 +180,8 @@ def write_ref_cache(
     order = np.argsort(pair_ids, kind="stable")
     arrays = _arrays(pair_ids[order], chosen[order], rejected[order])
     content = arrays_tensors_hash(arrays)
-    _save(path, arrays, {"format": CACHE_FORMAT, "key": key, TENSORS_HASH: content})
+    _save(path, arrays, {"format": CACHE_FORMAT, "key": key.as_dict(), TENSORS_HASH: content})
     return content
-
-
-def key_mismatch(found: dict[str, str], expected: dict[str, str]) -> str | None:
-    """The first key component that differs, as `component 'x' expected .., found ..`."""
-    for component in KEY_COMPONENTS:
-        if found.get(component) != expected[component]:
-            return (
-                f"key component {component!r} expected {expected[component]!r}, "
-                f"found {found.get(component)!r}"
-            )
-    return None
 
 
 def parts_dir(cache: str | Path) -> Path:
@@ -179,14 +201,14 @@ def write_cache_part(
     pair_ids: np.ndarray,
     chosen: np.ndarray,
     rejected: np.ndarray,
-    key: dict[str, str],
+    key: CacheKey,
 ) -> Path:
     """Write slice `index`, rows (start, stop, of total), atomically; returns its path."""
     start, stop, total = rows
     path = part_path(parts, index)
     metadata = {
         "format": PART_FORMAT,
-        "key": key,
+        "key": key.as_dict(),
         "slice": {"index": index, "start": start, "stop": stop, "total": total},
     }
     _save(path, _arrays(pair_ids, chosen, rejected), metadata)
@@ -209,7 +231,7 @@ def read_cache_part(path: str | Path) -> tuple[dict[str, object], dict[str, np.n
     return metadata, arrays
 
 
-def read_cache_key(path: str | Path, gate: str = GATE) -> dict[str, str]:
+def read_cache_key(path: str | Path, gate: str = GATE) -> CacheKey:
     p = Path(path)
     if not p.exists():
         raise GateRefused(gate, f"{p}: reference cache missing")
@@ -218,12 +240,12 @@ def read_cache_key(path: str | Path, gate: str = GATE) -> dict[str, str]:
         raise GateRefused(
             gate, f"{p}: expected a reference cache ({CACHE_FORMAT}) with a key in its metadata"
         )
-    return metadata["key"]
+    return CacheKey.of(metadata["key"], p, gate)
 
 
-def check_key(path: str | Path, expected: dict[str, str], gate: str = GATE) -> None:
+def check_key(path: str | Path, expected: CacheKey, gate: str = GATE) -> None:
     """Refuse a cache whose stored key differs from `expected` in any component."""
-    mismatch = key_mismatch(read_cache_key(path, gate), expected)
+    mismatch = read_cache_key(path, gate).mismatch(expected)
     if mismatch:
         raise GateRefused(gate, f"{path}: {mismatch}")
 
@@ -251,7 +273,7 @@ def check_tensors(path: str | Path, recorded: str, receipt: str | Path, gate: st
 
 
 def load_ref_cache(
-    path: str | Path, expected: dict[str, str], pair_ids: np.ndarray
+    path: str | Path, expected: CacheKey, pair_ids: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """Verify the key and the loaded bytes, then return (chosen, rejected) aligned to `pair_ids`."""
     import numpy as np
