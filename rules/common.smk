@@ -19,7 +19,6 @@ from align.model.checkpoint_files import checkpoint_files, planned_checkpoint_fi
 from align.paths import SPLITS, ReportPaths, RunPaths, SelectionPaths
 from align.receipts import read_json
 from align.report.summary import selection_labels
-from align.stages.select import UNION
 from align.train.path_bias import PathBias
 from align.train.ref_cache import ref_forward_impl
 from align.workflow.commands import (
@@ -28,13 +27,20 @@ from align.workflow.commands import (
     ref_path_overrides,
     srun_prefix,
 )
-from align.workflow.placement import Placement, kernel_gate_device, rank_threads
+from align.workflow.inputs import selection_shards
+from align.workflow.placement import (
+    Placement,
+    SlurmSite,
+    kernel_gate_device,
+    rank_threads,
+)
 from align.workflow.configs import cached_config
 from align.workflow.resources import (
     JobResources,
     capped,
     first_attempt_cap,
     projected_request_mb,
+    require_retries,
     wall_seconds,
 )
 from align.workflow.slurm import default_partition, node_memory
@@ -146,13 +152,8 @@ def arm_shards(arm):
     return {split: PATHS.arm(arm).shard(split) for split in SPLITS}
 
 
-def selection_shards(wildcards):
-    """The pair shards selection's eval set is built from: each arm's held-out shard, or
-    the one file paired.eval_set names."""
-    eval_set = selection_cfg_of(wildcards).paired.eval_set
-    if eval_set == UNION:
-        return {arm: PATHS.arm(arm).shard("held") for arm in ARMS}
-    return {"eval_set": eval_set}
+def selection_shards_of(wildcards):
+    return selection_shards(selection_cfg_of(wildcards).paired.eval_set, PATHS, ARMS)
 
 
 def preregistered_ref_caches(wildcards):
@@ -269,28 +270,31 @@ def batch_topology(batch):
         raise WorkflowError(str(err)) from err
 
 
+SITE = SlurmSite(
+    partition=config["slurm_partition"],
+    gpu_partition=config["slurm_gpu_partition"],
+    account=config["slurm_account"],
+    gpu_model=config["slurm_gpu_model"],
+)
+
+
 def placement_of(layout):
     """The job's Placement (align.workflow.placement), from `layout(wildcards)`."""
-    return lambda wildcards: Placement(*layout(wildcards), config["slurm_gpu_model"])
+    return lambda wildcards: Placement(*layout(wildcards), SITE.gpu_model)
 
 
 def placement(layout):
-    """The Slurm resources of a job laid out as `layout(wildcards)` = (topology, device)."""
+    """The Slurm resources of a job laid out as `layout(wildcards)` = (topology, device):
+    Placement.slurm_resources, one input function per resource."""
     at = placement_of(layout)
+
+    def resource(key):
+        return lambda wildcards: at(wildcards).slurm_resources(SITE)[key]
+
+    keys = Placement(Topology(1, 1), "cpu").slurm_resources(SITE)
     return {
-        "gpu": lambda wildcards: at(wildcards).gpus(),
-        # The plugin asks for --gpus=MODEL:N; a multi-node job names the model in its gres.
-        "gpu_model": lambda wildcards: (
-            config["slurm_gpu_model"] or None if at(wildcards).gpus() else None
-        ),
-        "nodes": lambda wildcards: at(wildcards).topo.nodes,
-        "tasks": lambda wildcards: at(wildcards).tasks(),
+        **{key: resource(key) for key in keys},
         "cpus_per_task": lambda wildcards, threads: threads,
-        "mpi": lambda wildcards: "srun" if at(wildcards).multi_node else None,
-        "tasks_per_gpu": lambda wildcards: 0 if at(wildcards).multi_node else None,
-        "gres": lambda wildcards: at(wildcards).gres(),
-        "slurm_partition": lambda wildcards: slurm_partition(at(wildcards).on_gpus),
-        "slurm_account": lambda wildcards: config["slurm_account"] or None,
     }
 
 
@@ -302,12 +306,11 @@ def launcher(layout, stop_marker=None, accept_exit=()):
     def command(wildcards, resources):
         at = placement_of(layout)(wildcards)
         topo, per_node = at.topo, []
+        try:
+            at.require_scheduler(time_limited())
+        except ConfigError as err:
+            raise WorkflowError(str(err)) from err
         if at.multi_node:
-            if not time_limited():
-                raise WorkflowError(
-                    f"{topo.nodes} nodes x {topo.per_node} ranks: a multi-node stage runs "
-                    "under Slurm (--executor slurm or the workflow profile), not locally"
-                )
             per_node = (
                 srun_prefix(topo, config["threads"], at.gres()) + job_image_entry()
             )
@@ -329,13 +332,6 @@ def layout_rank_threads(layout):
     )
 
 
-def slurm_partition(on_gpu):
-    """GPU jobs go to the GPU partition when one is named; empty leaves the cluster's default."""
-    if on_gpu and config["slurm_gpu_partition"]:
-        return config["slurm_gpu_partition"]
-    return config["slurm_partition"] or None
-
-
 def node_memory_overrides(wildcards):
     """The preflight runs on the submit host but judges the node the job will run on: its
     memory from the workflow config (slurm_node_memory_mb, by partition), else from
@@ -345,7 +341,8 @@ def node_memory_overrides(wildcards):
         return ""
     try:
         partition = (
-            slurm_partition(arm_layout(wildcards)[1] == "cuda") or default_partition()
+            SITE.partition_for(arm_layout(wildcards)[1] == "cuda")
+            or default_partition()
         )
         mb, source = node_memory(partition, config["slurm_node_memory_mb"])
     except ConfigError as err:  # scontrol failed: the workflow refuses, naming the key
@@ -458,15 +455,12 @@ def trainer_resume(wildcards, attempt):
 
 
 def require_retries_on_a_scheduler():
-    """On a cluster a training stage stopped at its time limit exits 75 and only a retry
-    resumes it: refuse to submit one with no retries rather than lose the run."""
+    """A training stage submitted to a cluster needs a retry to resume after a stop."""
     submitting = workflow.non_local_exec and not workflow.remote_exec
-    if submitting and workflow.execution_settings.retries < 1:
-        raise WorkflowError(
-            "training stages on a cluster need retries to resume after a stop (exit 75): "
-            "run with --workflow-profile profiles/slurm (retries, jobs, the image), or add "
-            "--retries 2"
-        )
+    try:
+        require_retries(submitting, workflow.execution_settings.retries)
+    except ConfigError as err:
+        raise WorkflowError(str(err)) from err
 
 
 def time_limited():

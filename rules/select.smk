@@ -33,7 +33,7 @@ rule select_arms:
             selection_cfg_of,
             selection_layout,
             sft_checkpoint(),
-            selection_shards,
+            selection_shards_of,
             seq_len=lambda: selection_seq_len([arm_cfg(arm) for arm in ARMS]),
         ),
         runtime=default_runtime,

@@ -1,5 +1,6 @@
 """align.workflow without Snakemake: job memory and time from receipts, the trainer's budget
-inside a time limit, Slurm's answers, and the launch command of one and several nodes."""
+inside a time limit, Slurm's answers and resources, the refusals a submission meets, and
+the launch command of one and several nodes."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from conftest import REPO
 
 from align.config import ArmConfig, load_config
 from align.exit_codes import ConfigError
+from align.paths import RunPaths
+from align.stages.select import UNION
 from align.topology import Topology
 from align.train.probes import ProbeReceipt
 from align.workflow import slurm
@@ -23,12 +26,14 @@ from align.workflow.commands import (
     srun_prefix,
 )
 from align.workflow.configs import cached_config
-from align.workflow.placement import Placement, kernel_gate_device, rank_threads
+from align.workflow.inputs import selection_shards
+from align.workflow.placement import Placement, SlurmSite, kernel_gate_device, rank_threads
 from align.workflow.resources import (
     JobResources,
     capped,
     first_attempt_cap,
     projected_request_mb,
+    require_retries,
     wall_seconds,
 )
 
@@ -232,6 +237,60 @@ def test_one_node_holds_its_gpus_in_one_task_and_several_nodes_one_task_each(
 
 def test_a_site_without_a_gpu_model_asks_for_any_gpu():
     assert Placement(Topology(2, 4), "cuda").node_gres() == "gpu:4"
+
+
+SITE = SlurmSite(partition="cpu", gpu_partition="gpu", account="lab", gpu_model="h100")
+
+
+def test_a_one_node_gpu_job_asks_for_its_model_on_the_gpu_partition():
+    resources = Placement(Topology(1, 4), "cuda", SITE.gpu_model).slurm_resources(SITE)
+    assert resources == {
+        "gpu": 4,
+        "gpu_model": "h100",
+        "nodes": 1,
+        "tasks": None,
+        "mpi": None,
+        "tasks_per_gpu": None,
+        "gres": None,
+        "slurm_partition": "gpu",
+        "slurm_account": "lab",
+    }
+
+
+def test_a_multi_node_job_sruns_one_task_per_node_and_names_its_gpus_in_the_gres():
+    resources = Placement(Topology(2, 4), "cuda", SITE.gpu_model).slurm_resources(SITE)
+    assert (resources["gpu"], resources["gpu_model"], resources["gres"]) == (0, None, "gpu:h100:4")
+    assert (resources["nodes"], resources["tasks"], resources["mpi"]) == (2, 2, "srun")
+    assert resources["tasks_per_gpu"] == 0
+
+
+def test_a_site_that_names_no_partition_or_account_leaves_them_to_the_cluster():
+    resources = Placement(Topology(1, 2), "cpu").slurm_resources(SlurmSite())
+    assert (resources["slurm_partition"], resources["slurm_account"]) == (None, None)
+    assert SlurmSite(partition="cpu").partition_for(on_gpus=True) == "cpu"
+
+
+def test_a_multi_node_stage_outside_a_scheduler_is_refused():
+    Placement(Topology(1, 2), "cpu").require_scheduler(scheduled=False)
+    Placement(Topology(2, 1), "cpu").require_scheduler(scheduled=True)
+    with pytest.raises(ConfigError, match="2 nodes x 1 ranks: a multi-node stage runs under"):
+        Placement(Topology(2, 1), "cpu").require_scheduler(scheduled=False)
+
+
+def test_a_cluster_submission_without_retries_is_refused_and_a_local_run_needs_none():
+    require_retries(submitting=False, retries=0)
+    require_retries(submitting=True, retries=1)
+    with pytest.raises(ConfigError, match="training stages on a cluster need retries"):
+        require_retries(submitting=True, retries=0)
+
+
+def test_selection_reads_each_arms_held_shard_or_the_one_eval_set_it_names(tmp_path):
+    paths = RunPaths.of(tmp_path)
+    union = selection_shards(UNION, paths, ["a", "b"])
+    assert union == {"a": paths.arm("a").shard("held"), "b": paths.arm("b").shard("held")}
+    assert selection_shards("data/eval.safetensors", paths, ["a"]) == {
+        "eval_set": "data/eval.safetensors"
+    }
 
 
 def test_ref_path_overrides_build_the_cache_the_forward_impl_names():

@@ -15,13 +15,36 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from align.config import ArmConfig
+from align.exit_codes import ConfigError
 from align.topology import Topology
 
 
 @dataclass(frozen=True)
+class SlurmSite:
+    """The workflow config's Slurm keys: where jobs go and whom they bill."""
+
+    # CPU jobs' partition; empty: the cluster's default.
+    partition: str = ""
+    # GPU jobs' partition; empty: `partition`.
+    gpu_partition: str = ""
+    # The account jobs bill; empty: the user's default.
+    account: str = ""
+    # The GRES type of the GPU model jobs must land on; empty: any.
+    gpu_model: str = ""
+
+    def partition_for(self, on_gpus: bool) -> str | None:
+        if on_gpus and self.gpu_partition:
+            return self.gpu_partition
+        return self.partition or None
+
+
+@dataclass(frozen=True)
 class Placement:
+    """A job's topology on its device."""
+
     topo: Topology
     device: str
     # The site's GRES type of the GPU model jobs must land on; empty: any.
@@ -52,6 +75,31 @@ class Placement:
     def gres(self) -> str | None:
         """The job's gres: a multi-node GPU job's per-node GPUs (one-node jobs use --gpus)."""
         return self.node_gres() if self.multi_node and self.on_gpus else None
+
+    def slurm_resources(self, site: SlurmSite) -> dict[str, Any]:
+        """The slurm executor's resources for this job (None: the plugin's default)."""
+        return {
+            "gpu": self.gpus(),
+            # The plugin asks for --gpus=MODEL:N; a multi-node job names the model in its gres.
+            "gpu_model": (site.gpu_model or None) if self.gpus() else None,
+            "nodes": self.topo.nodes,
+            "tasks": self.tasks(),
+            # A multi-node job runs its command in the allocation, which sruns one launcher
+            # per node (align.workflow.commands), with no task-per-GPU binding.
+            "mpi": "srun" if self.multi_node else None,
+            "tasks_per_gpu": 0 if self.multi_node else None,
+            "gres": self.gres(),
+            "slurm_partition": site.partition_for(self.on_gpus),
+            "slurm_account": site.account or None,
+        }
+
+    def require_scheduler(self, scheduled: bool) -> None:
+        """A multi-node job needs Slurm's allocation: no local run can start its nodes."""
+        if self.multi_node and not scheduled:
+            raise ConfigError(
+                f"{self.topo.nodes} nodes x {self.topo.per_node} ranks: a multi-node stage runs "
+                "under Slurm (--executor slurm or the workflow profile), not locally"
+            )
 
 
 def rank_threads(task_threads: int, ranks: int) -> int:

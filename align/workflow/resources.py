@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from align.exit_codes import ConfigError
 from align.train.memory import projected_job_rss, shards_shape
 from align.train.probes import ProbeReceipt
 
@@ -133,3 +134,14 @@ def projected_request_mb(
     shape = shards_shape(stage, cfg, nodes, seq_len, present)
     shard_bytes = sum(p.stat().st_size for p in present.values())
     return job.rss_mem_mb(projected_job_rss(shape, found[0], shard_bytes)["node_mb"], attempt)
+
+
+def require_retries(submitting: bool, retries: int) -> None:
+    """On a cluster a training stage stopped at its time limit exits 75 and only a retry
+    resumes it: refuse to submit one with no retries rather than lose the run."""
+    if submitting and retries < 1:
+        raise ConfigError(
+            "training stages on a cluster need retries to resume after a stop (exit 75): "
+            "run with --workflow-profile profiles/slurm (retries, jobs, the image), or add "
+            "--retries 2"
+        )
