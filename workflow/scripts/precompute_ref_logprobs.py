@@ -58,7 +58,7 @@ def build_caches(
         receipt = stage.receipt(
             loaded,
             PASSED,
-            inputs={paths.recorded(checkpoint): jobs[0][2]["checkpoint_weights"]},
+            inputs={paths.recorded(checkpoint): jobs[0][2].checkpoint_weights},
             outputs={cache["path"]: cache["hash"] for cache in caches.values()},
             figures=figures,
             phases=phases,
