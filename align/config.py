@@ -434,6 +434,10 @@ class PreflightConfig:
     # optimizer kernels it loaded), in the export and evaluation after training: they start
     # 44 (sft) and 61 (dpo) MiB above their steady terms at 57.7M parameters.
     post_training_overhead_mb: float = 64.0
+    # What a rank's runtime holds once it has scored and generated with one policy, when it
+    # loads the next (select_arms loads its policies in turn): those loads peak 30 and 28 MiB
+    # above the SFT gate's single load of the same checkpoint at 57.7M and 258M parameters.
+    post_scoring_overhead_mb: float = 32.0
     # What glibc's heap keeps beside a rank's scoring forwards (freed tensors under its
     # moving mmap threshold, reused unevenly by forwards of other shapes): 0-137 MiB over
     # the same forwards with every tensor returned on free, at 57.7M and 258M parameters
@@ -489,6 +493,7 @@ class PreflightConfig:
             ),
             non_negative("cpu_rank_overhead_mb", self.cpu_rank_overhead_mb),
             non_negative("post_training_overhead_mb", self.post_training_overhead_mb),
+            non_negative("post_scoring_overhead_mb", self.post_scoring_overhead_mb),
             non_negative("row_reader_overhead_mb", self.row_reader_overhead_mb),
             non_negative("scoring_heap_overhead_mb", self.scoring_heap_overhead_mb),
             non_negative("cuda_rank_overhead_mb", self.cuda_rank_overhead_mb),

@@ -103,7 +103,7 @@ STORED_DTYPE = "bfloat16"
 # Each arm keeps 16 to 18 pairs and holds 4 or 5 of them out, which leaves 12 micro-steps
 # over two epochs; SFT gets 19 rows to train on, 4 micro-steps of two rows per rank, and
 # holds out 8 (a whole evaluation batch and the gate's generation prompts). Both
-# sizes' chains (SFT, two arms, selection) then run in about 40 minutes.
+# sizes' chains (SFT, two arms, selection) then run in about an hour (12 + 47 min).
 ROWS = {"argilla": 21, "steppairs": 19, "sft": 27}
 SEQ_LEN = 1024
 DATA_FILES = {

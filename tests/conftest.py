@@ -19,6 +19,20 @@ SERVICES_REQUIRED = os.environ.get("ALIGN_SERVICES") == "required"
 IMAGE_ROOTFS = Path(os.environ.get("ALIGN_ROOTFS", "/var/tmp/align-rootfs"))
 
 
+def stand_in_cache_key(forward_impl: str):
+    """A reference cache key of stand-in hashes, for tests of the cache's files alone."""
+    from align.train.ref_cache import CacheKey
+
+    return CacheKey(
+        checkpoint_weights="w" * 64,
+        tokenizer="t" * 64,
+        shard="s" * 64,
+        seq_len_truncation="96:prompt_left_response_right",
+        dtype="float32",
+        forward_impl=forward_impl,
+    )
+
+
 def run_snakemake(
     workdir: Path,
     *args: str,

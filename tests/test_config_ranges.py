@@ -49,6 +49,7 @@ PREFLIGHT = {
     "cpu_rank_overhead_mb": -1.0,
     "row_reader_overhead_mb": -1.0,
     "post_training_overhead_mb": -1.0,
+    "post_scoring_overhead_mb": -1.0,
     "scoring_heap_overhead_mb": -1.0,
     "cuda_rank_overhead_mb": -1.0,
     "launcher_overhead_mb": -1.0,

@@ -292,6 +292,21 @@ def test_stages_that_read_rows_in_process_hold_the_row_reader(planned):
         assert load["row_reader"] == pytest.approx(expected[stage]), stage
 
 
+def test_selections_loads_after_a_scored_policy_hold_what_scoring_grew(planned):
+    """select_arms loads each policy after the last one's scoring, in one process; the SFT
+    gate loads one policy into a fresh process."""
+    from align.config import PreflightConfig, SelectionConfig, SftConfig
+
+    select = job_shape("select_arms", SelectionConfig(), seq_len=1024)
+    gate = job_shape("sft_gate", SftConfig())
+    terms = {
+        stage: projected_job_rss(shape, planned, 0)["phases"]["load"]["terms_mb"]
+        for stage, shape in (("select_arms", select), ("sft_gate", gate))
+    }
+    assert terms["select_arms"]["post_scoring"] == PreflightConfig().post_scoring_overhead_mb
+    assert "post_scoring" not in terms["sft_gate"]
+
+
 def test_scoring_projection_holds_swiglus_three_intermediate_tensors(tmp_path):
     """A no-grad forward holds silu(gate), up and their product at once: a model counting
     one intermediate-width tensor under-projects wide MLPs (at 258M parameters, 26.6 KB

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import stand_in_cache_key
 from safetensors.numpy import load_file, save_file
 
 from align.data.metadata import read_metadata, single_key_metadata
@@ -38,14 +39,7 @@ from align.utils.weights_hash import file_tensors_hash, read_safetensors_header
 # The tiny model is built on CPU; one thread avoids hand-off overhead on this small work.
 torch.set_num_threads(1)
 
-KEY = CacheKey(
-    checkpoint_weights="w" * 64,
-    tokenizer="t" * 64,
-    shard="s" * 64,
-    seq_len_truncation="96:prompt_left_response_right",
-    dtype="float32",
-    forward_impl="sdpa-fp32-b16-padded",
-)
+KEY = stand_in_cache_key("sdpa-fp32-b16-padded")
 IDS = np.array([50, 10, 30, 20], dtype=np.int64)
 CHOSEN = np.array([-5.0, -1.0, -3.0, -2.0], dtype=np.float32)
 REJECTED = np.array([-50.0, -10.0, -30.0, -20.0], dtype=np.float32)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import stand_in_cache_key
 from tiny_pairs import write_tiny_pairs
 
 from align.config import RefConfig, RunConfig
@@ -127,14 +128,7 @@ def test_two_ranks_build_the_same_bytes_as_one(workdir, uninterrupted):
 # --- part files, without a model ------------------------------------------------------
 
 IDS = np.array([7, 3, 9, 1, 4], dtype=np.int64)
-KEY = CacheKey(
-    checkpoint_weights="w" * 64,
-    tokenizer="t" * 64,
-    shard="s" * 64,
-    seq_len_truncation="96:prompt_left_response_right",
-    dtype="float32",
-    forward_impl="sdpa-fp32-b2-padded",
-)
+KEY = stand_in_cache_key("sdpa-fp32-b2-padded")
 BOUNDS = slice_rows(len(IDS), 2)  # [0, 2), [2, 4), [4, 5)
 
 

@@ -265,11 +265,13 @@ class StageLoad:
     """What a stage does with its model, phase by phase: whether it trains (gradients,
     optimizer state, activations kept for backward), exports (rank 0 gathers the whole
     state), scores a second policy beside the first when it evaluates (DPO scores the SFT
-    policy beside the trained one), generates (a KV cache), and reads rows in-process (the
-    parquet reader and tokenizer, or the arms' union eval set, rather than a built shard)."""
+    policy beside the trained one), loads its policies in turn, each after the last one's
+    scoring (selection), generates (a KV cache), and reads rows in-process (the parquet
+    reader and tokenizer, or the arms' union eval set, rather than a built shard)."""
 
     phases: tuple[str, ...]
     second_policy: bool = False
+    policies_in_turn: bool = False
     generates: bool = False
     reads_rows: bool = False
 
@@ -291,7 +293,9 @@ STAGE_LOADS = {
     "sft_gate": StageLoad(("load", "evaluate"), generates=True, reads_rows=True),
     "ref_cache": StageLoad(("load", "evaluate")),
     "path_bias": StageLoad(("load", "evaluate")),
-    "select_arms": StageLoad(("load", "evaluate"), generates=True, reads_rows=True),
+    "select_arms": StageLoad(
+        ("load", "evaluate"), policies_in_turn=True, generates=True, reads_rows=True
+    ),
 }
 
 
@@ -543,7 +547,13 @@ def phase_terms(shape: JobShape, verified, shard_bytes: int) -> dict[str, dict[s
         # The read-back forward's all-gather output beside the unsharded root it fills.
         readback=2 * root_rank + layers_rank,
     )
-    phases = {"load": {**common, **loading}}
+    # A load after another policy's scoring finds the runtime that scoring grew.
+    scored = (
+        {"post_scoring": world * shape.preflight.post_scoring_overhead_mb * MIB}
+        if load.policies_in_turn
+        else {}
+    )
+    phases = {"load": {**common, **loading, **scored}}
     if load.trains:
         phases["train"] = {
             **common,
