@@ -27,8 +27,8 @@ arms: install
 	snakemake --cores $(CORES) arms
 
 # The scale rehearsal: the whole chain at 60M and at 250M parameters on this machine's CPUs,
-# about an hour on two cores (59 min on 2026-12-06) (README, "Scale rehearsal"). benchmarks/rehearsal.py keeps
-# the inputs it has already written, so a second run reruns nothing that has not changed.
+# about an hour on two cores (README, "Scale rehearsal"). benchmarks/rehearsal.py keeps the
+# inputs it has already written, so a second run reruns nothing that has not changed.
 rehearsal: install
 	$(PY) benchmarks/rehearsal.py --out rehearsal --sizes 60m 250m
 	snakemake --configfile config/rehearsal/60m.yaml --cores $(CORES) arms
