@@ -435,9 +435,10 @@ class PreflightConfig:
     # 44 (sft) and 61 (dpo) MiB above their steady terms at 57.7M parameters.
     post_training_overhead_mb: float = 64.0
     # What a rank's runtime holds once it has scored and generated with one policy, when it
-    # loads the next (select_arms loads its policies in turn): those loads peak 30 and 28 MiB
-    # above the SFT gate's single load of the same checkpoint at 57.7M and 258M parameters.
-    post_scoring_overhead_mb: float = 32.0
+    # loads the next (select_arms loads its policies in turn): those loads peak 30 MiB (57.7M
+    # parameters) and 28-35 MiB (258M) above the SFT gate's single load of the same
+    # checkpoint, over two scale rehearsals.
+    post_scoring_overhead_mb: float = 36.0
     # What glibc's heap keeps beside a rank's scoring forwards (freed tensors under its
     # moving mmap threshold, reused unevenly by forwards of other shapes): 0-137 MiB over
     # the same forwards with every tensor returned on free, at 57.7M and 258M parameters
