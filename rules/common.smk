@@ -291,6 +291,7 @@ def placement(layout):
     def resource(key):
         return lambda wildcards: at(wildcards).slurm_resources(SITE)[key]
 
+    # The names it sets are the same for every job; any placement lists them.
     keys = Placement(Topology(1, 1), "cpu").slurm_resources(SITE)
     return {
         **{key: resource(key) for key in keys},
