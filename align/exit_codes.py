@@ -71,17 +71,16 @@ class ResumableStop(AlignError):
 def run_with_exit_codes(main: Callable[[], int | None], stage: str) -> None:
     """Run `main` and exit with its documented code, logging a one-line reason on error
     (`align STAGE: reason`, the line the workflow's logs and the tests read)."""
-    log = stage_logger(stage)
     try:
         code = main()
     except AlignError as err:
-        log.error(str(err))
+        stage_logger(stage).error(str(err))
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
-        log.error("interrupted")
+        stage_logger(stage).error("interrupted")
         sys.exit(RESUMABLE_STOP)
     except Exception:
         traceback.print_exc()
-        log.error(f"internal error (exit {INTERNAL})")
+        stage_logger(stage).error(f"internal error (exit {INTERNAL})")
         sys.exit(INTERNAL)
     sys.exit(OK if code is None else code)
