@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from align.config import ArmConfig, SftConfig, TinyConfig, load_config
+from align.config import ArmConfig, SelectionConfig, SftConfig, TinyConfig, load_config
 from align.exit_codes import USAGE, ConfigError
 
 CONFIG = Path(__file__).resolve().parents[1] / "config"
@@ -50,6 +50,31 @@ def test_argilla_arm_loads_with_its_values():
     assert cfg.batch.global_batch == 16
     assert loaded.overrides == {}
     assert loaded.source == ARGILLA
+
+
+REPO = CONFIG.parent
+# Every pre-registration the repository ships or tests with, by the section it fills.
+CONFIG_CLASSES = {"arms": ArmConfig, "sft": SftConfig, "selection": SelectionConfig}
+
+
+def config_class(path: Path) -> type:
+    return CONFIG_CLASSES["arms" if path.parent.name == "arms" else path.stem]
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(
+        p
+        for root in (CONFIG, REPO / "tests" / "configs")
+        for p in root.rglob("*.toml")
+        if p.parent.name == "arms" or p.stem in CONFIG_CLASSES
+    ),
+    ids=lambda p: str(p.relative_to(REPO)),
+)
+def test_every_pre_registration_in_the_repository_loads(path):
+    """A renamed or removed key reaches the shipped, rehearsal, production and test configs
+    alike: each loads under its config class."""
+    assert load_config(path, config_class(path)).source == path
 
 
 def test_steppairs_arm_loads_with_default_filters():
