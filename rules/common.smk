@@ -458,8 +458,10 @@ def trainer_resume(wildcards, attempt):
 def require_retries_on_a_scheduler():
     """A training stage submitted to a cluster needs a retry to resume after a stop."""
     submitting = workflow.non_local_exec and not workflow.remote_exec
+    # Only a submission has execution settings to read (a report or a lint has none).
+    retries = workflow.execution_settings.retries if submitting else 0
     try:
-        require_retries(submitting, workflow.execution_settings.retries)
+        require_retries(submitting, retries)
     except ConfigError as err:
         raise WorkflowError(str(err)) from err
 
