@@ -77,11 +77,12 @@ class Placement:
         return self.node_gres() if self.multi_node and self.on_gpus else None
 
     def slurm_resources(self, site: SlurmSite) -> dict[str, Any]:
-        """The slurm executor's resources for this job (None: the plugin's default)."""
+        """The slurm executor's resources for this job (None: the plugin's default); the GPU
+        model is the placement's own, as its gres names it."""
         return {
             "gpu": self.gpus(),
             # The plugin asks for --gpus=MODEL:N; a multi-node job names the model in its gres.
-            "gpu_model": (site.gpu_model or None) if self.gpus() else None,
+            "gpu_model": (self.gpu_model or None) if self.gpus() else None,
             "nodes": self.topo.nodes,
             "tasks": self.tasks(),
             # A multi-node job runs its command in the allocation, which sruns one launcher
