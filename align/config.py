@@ -439,11 +439,11 @@ class PreflightConfig:
     # parameters) and 28-35 MiB (258M) above the SFT gate's single load of the same
     # checkpoint, over two scale rehearsals.
     post_scoring_overhead_mb: float = 36.0
-    # What glibc's heap keeps beside a rank's scoring forwards (freed tensors under its
-    # moving mmap threshold, reused unevenly by forwards of other shapes): 0-137 MiB over
-    # the same forwards with every tensor returned on free, at 57.7M and 258M parameters
-    # (benchmarks/scoring_heap.py); the rehearsal's scoring phases sit at 0.85-0.97 with it.
-    scoring_heap_overhead_mb: float = 128.0
+    # What a scoring rank holds beyond its modelled tensors (glibc's heap under the ranks'
+    # 2 MiB mmap threshold, FSDP's small buffers): at most 56 MiB over every scoring phase
+    # of the scale rehearsal at 57.7M and 258M parameters (SFT's evaluation at 57.7M), and
+    # 10-16 MiB beside one forward in one process (benchmarks/scoring_heap.py).
+    scoring_heap_overhead_mb: float = 64.0
     # What a rank of sft, sft_gate or select_arms adds by reading rows in-process (pyarrow and
     # the tokenizer, or the arms' union eval set): their load phases start 59-63 MiB above
     # the built-shard stages' at 57.7M and 258M parameters (the scale rehearsal).

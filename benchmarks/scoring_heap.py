@@ -7,8 +7,9 @@ reading the rise of VmHWM over VmRSS. Each shape runs twice:
 
 - with every tensor returned to the kernel on free (MALLOC_MMAP_THRESHOLD_=65536), which
   measures the tensors the forward holds at its peak: the activation model's figure;
-- with glibc as the ranks run it, whose heap also keeps freed tensors under its moving mmap
-  threshold: the difference is what preflight.scoring_heap_overhead_mb covers.
+- with glibc as the ranks run it (align.utils.heap pins its mmap threshold at 2 MiB), whose
+  heap also keeps freed tensors under that threshold: the difference is part of what
+  preflight.scoring_heap_overhead_mb covers.
 
 It prints both per shape, and the model's figure beside them as a ratio.
 """
@@ -32,7 +33,10 @@ def child(checkpoint: str, rows: int, length: int) -> None:
     from align.model.hf_config import load_hf_config
     from align.model.mistral import NmoMistralForCausalLM
     from align.train.phases import reset_host_peak, status_mb
+    from align.utils.heap import fix_mmap_threshold
 
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        fix_mmap_threshold()  # as every rank does (align.utils.guard)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = load_hf_config(checkpoint)
