@@ -1,10 +1,11 @@
 """align's Trainer against TRL's DPOTrainer: step time, tokens/s and peak RSS on CPU.
 
-Six configurations train the same random Mistral (hidden 256, 6 layers, ~4.9M
+Eight configurations train the same random Mistral (hidden 256, 6 layers, ~4.9M
 parameters, sdpa) on the same pre-tokenized pairs for the same steps, batch, learning
-rate, AdamW betas and gradient clip, all in float32 but align_bf16, and without activation
-checkpointing unless --activation-checkpointing turns it on for all (TRL's own defaults,
-bf16 autocast and gradient checkpointing, would compare different arithmetic):
+rate, AdamW betas and gradient clip, in float32 but the *_bf16 ones, and without
+activation checkpointing unless --activation-checkpointing turns it on for all. Each side
+is compared in its own arithmetic: float32 align against float32 TRL, bfloat16 compute
+(production's) against TRL's bf16 autocast.
 
   align        align's Trainer (FSDP2 on one gloo rank), reference log-probs precomputed
   align_shared the same with batch.layout = "shared": one row [prompt | chosen | rejected]
@@ -13,7 +14,9 @@ bf16 autocast and gradient checkpointing, would compare different arithmetic):
                fit the step's widest, so short pairs pad less
   align_bf16   align with model.dtype = bfloat16: float32 master shards, bf16 forward and
                backward (FSDP2's MixedPrecisionPolicy), its own bf16 reference log-probs
+  align_shared_bf16  the shared layout in bfloat16
   trl_precomp  TRL DPOTrainer, precompute_ref_log_probs=True
+  trl_bf16     the same with bf16=True (float32 weights, bf16 autocast)
   trl_live     TRL DPOTrainer with a live reference model (a second copy of the weights)
 
 Two workloads, each run in full (--workloads picks): `shots`, the embedded synthetic
@@ -40,7 +43,7 @@ prompt's share of them is what the shared layout saves.
 Run: .venv/bin/python benchmarks/trainer_vs_trl.py  [--steps 12] [--rounds 3] [--threads 1]
      [--activation-checkpointing] [--configs align align_bf16 ...] [--workloads shots varied]
      [--json FILE]
-(needs the 'bench' extra; about fifteen minutes on two cores for both workloads)
+(needs the 'bench' extra; about half an hour on two cores for both workloads)
 """
 
 from __future__ import annotations
@@ -75,18 +78,32 @@ MODEL = {
     "num_key_value_heads": 2,
     "max_position_embeddings": VARIED_PROMPT[1] + VARIED_RESPONSE[1] + 1,
 }
-CONFIGS = ("align", "align_shared", "align_packed", "align_bf16", "trl_precomp", "trl_live")
-# Each align configuration's batch.layout.
+CONFIGS = (
+    "align",
+    "align_shared",
+    "align_packed",
+    "align_bf16",
+    "align_shared_bf16",
+    "trl_precomp",
+    "trl_bf16",
+    "trl_live",
+)
+# Each align configuration's batch.layout; a *_bf16 one computes in bfloat16.
 ALIGN_LAYOUTS = {
     "align": "padded",
     "align_shared": "shared",
     "align_packed": "packed",
     "align_bf16": "padded",
+    "align_shared_bf16": "shared",
 }
 ALIGN_CONFIGS = tuple(ALIGN_LAYOUTS)
-# align's best layout over trl_precomp, at most, on every workload.
+# align's best layout over TRL with the reference precomputed, at most, on every workload.
 TARGETS = {"median_step_s": 0.45, "peak_rss_mb": 0.7}
-LAYOUTS = ("align", "align_shared", "align_packed")
+# For each arithmetic, align's layouts and the TRL configuration they are held against.
+ARITHMETIC = {
+    "float32": (("align", "align_shared", "align_packed"), "trl_precomp"),
+    "bfloat16": (("align_bf16", "align_shared_bf16"), "trl_bf16"),
+}
 RATIOS = ("median_step_s", "median_step_cpu_s", "peak_rss_mb")
 
 
@@ -251,7 +268,7 @@ def run_align(
 
 
 def run_trl(
-    work: Path, steps: int, live_reference: bool, activation_checkpointing: bool
+    work: Path, steps: int, live_reference: bool, activation_checkpointing: bool, bf16: bool
 ) -> list[tuple[float, float]]:
     import torch
     from datasets import Dataset
@@ -290,9 +307,9 @@ def run_trl(
         beta=BETA,
         loss_type=["sigmoid"],
         max_length=None,
-        # TRL's own defaults are bf16 autocast and gradient checkpointing; align trains in
-        # float32, so both run the same arithmetic, checkpointed only when asked on both.
-        bf16=False,
+        # TRL's own defaults are bf16 autocast and gradient checkpointing; each is set as
+        # its align counterpart runs, so both sides compute the same arithmetic.
+        bf16=bf16,
         gradient_checkpointing=activation_checkpointing,
         precompute_ref_log_probs=not live_reference,
         precompute_ref_batch_size=PAIRS_PER_STEP,
@@ -323,11 +340,12 @@ def child(config: str, work: Path, args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     checkpointing = args.activation_checkpointing
+    bf16 = config.endswith("_bf16")
     if config in ALIGN_CONFIGS:
-        dtype = "bfloat16" if config == "align_bf16" else "float32"
+        dtype = "bfloat16" if bf16 else "float32"
         ends = run_align(work, args.steps, checkpointing, ALIGN_LAYOUTS[config], dtype)
     else:
-        ends = run_trl(work, args.steps, config == "trl_live", checkpointing)
+        ends = run_trl(work, args.steps, config == "trl_live", checkpointing, bf16)
     wall, cpu = np.diff(np.array(ends), axis=0).T
     print(json.dumps({"wall": wall.tolist(), "cpu": cpu.tolist()}))
 
@@ -400,32 +418,34 @@ def report(
         f"{data['mean_chosen']:.1f}, rejected response {data['mean_rejected']:.1f} tokens"
     )
     print(
-        f"{'config':<12} {'step s':>7} {'cpu s':>7} {'tokens/s':>9} {'peak RSS MiB':>13}"
+        f"{'config':<17} {'step s':>7} {'cpu s':>7} {'tokens/s':>9} {'peak RSS MiB':>13}"
         "  rounds [step s, cpu s, MiB]"
     )
     for config, row in summary.items():
         print(
-            f"{config:<12} {row['median_step_s']:7.3f} {row['median_step_cpu_s']:7.3f} "
+            f"{config:<17} {row['median_step_s']:7.3f} {row['median_step_cpu_s']:7.3f} "
             f"{row['tokens_per_s']:9.0f} {row['peak_rss_mb']:13.0f}  {row['rounds']}"
         )
-    pairs = [(mine, other) for mine in ALIGN_CONFIGS for other in ("trl_precomp", "trl_live")]
-    layouts = [("align_shared", "align"), ("align_packed", "align"), ("align_bf16", "align")]
+    pairs = [(mine, other) for layouts, other in ARITHMETIC.values() for mine in layouts]
+    pairs += [(mine, "trl_live") for mine in ALIGN_CONFIGS if not mine.endswith("_bf16")]
+    layouts = [(mine, "align") for mine in ALIGN_CONFIGS if mine != "align"]
     for mine, other in [*pairs, *layouts]:
         if mine not in summary or other not in summary:
             continue
         ratios = {key: summary[mine][key] / summary[other][key] for key in RATIOS}
         print(
-            f"{mine:<12} / {other:<12} step time {ratios['median_step_s']:.2f}x "
+            f"{mine:<17} / {other:<12} step time {ratios['median_step_s']:.2f}x "
             f"(cpu {ratios['median_step_cpu_s']:.2f}x)   peak RSS {ratios['peak_rss_mb']:.2f}x"
         )
-    target = summary.get("trl_precomp")
-    measured = [config for config in LAYOUTS if config in summary]
-    if target and measured:
+    for layouts, other in ARITHMETIC.values():
+        measured = [config for config in layouts if config in summary]
+        if other not in summary or not measured:
+            continue
         best = min(measured, key=lambda config: summary[config]["median_step_s"])
         for key, limit in TARGETS.items():
-            ratio = summary[best][key] / target[key]
+            ratio = summary[best][key] / summary[other][key]
             print(
-                f"target best layout ({best}) / trl_precomp {key} <= {limit}x: {ratio:.2f}x "
+                f"target best layout ({best}) / {other} {key} <= {limit}x: {ratio:.2f}x "
                 f"{'met' if ratio <= limit else 'MISSED'}"
             )
     return summary
