@@ -27,7 +27,7 @@ arms: install
 	snakemake --cores $(CORES) arms
 
 # The scale rehearsal: the whole chain at 60M and at 250M parameters on this machine's CPUs,
-# about 45 minutes on two cores (README, "Scale rehearsal"). benchmarks/rehearsal.py keeps the
+# about 47 minutes on two cores (README, "Scale rehearsal"). benchmarks/rehearsal.py keeps the
 # inputs it has already written, so a second run reruns nothing that has not changed.
 rehearsal: install
 	$(PY) benchmarks/rehearsal.py --out rehearsal --sizes 60m 250m
