@@ -74,7 +74,10 @@ def _enable_flight_recorder(run_dir: Path) -> None:
 
 
 def destroy_distributed() -> None:
+    """Leave the process group together: a rank that tears its gloo pairs down while a peer
+    still works on them can abort either process at exit (SIGABRT), after a finished stage."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
