@@ -35,7 +35,7 @@ def child(checkpoint: str, rows: int, length: int) -> None:
     from align.train.phases import reset_host_peak, status_mb
     from align.utils.heap import fix_mmap_threshold
 
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+    if not RETURN_ON_FREE.keys() & os.environ.keys():
         fix_mmap_threshold()  # as every rank does (align.utils.guard)
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -99,11 +99,8 @@ ALIGN_LAYOUTS = {
 ALIGN_CONFIGS = tuple(ALIGN_LAYOUTS)
 # align's best layout over TRL with the reference precomputed, at most, on every workload.
 TARGETS = {"median_step_s": 0.45, "peak_rss_mb": 0.7}
-# For each arithmetic, align's layouts and the TRL configuration they are held against.
-ARITHMETIC = {
-    "float32": (("align", "align_shared", "align_packed"), "trl_precomp"),
-    "bfloat16": (("align_bf16", "align_shared_bf16"), "trl_bf16"),
-}
+# The TRL configuration align's configurations of each arithmetic are held against.
+TRL_BASELINE = {"float32": "trl_precomp", "bfloat16": "trl_bf16"}
 RATIOS = ("median_step_s", "median_step_cpu_s", "peak_rss_mb")
 
 
@@ -267,6 +264,11 @@ def run_align(
     return ends
 
 
+def arithmetic(config: str) -> str:
+    """What a configuration computes in: its name ends in _bf16 for bfloat16."""
+    return "bfloat16" if config.endswith("_bf16") else "float32"
+
+
 def run_trl(
     work: Path, steps: int, live_reference: bool, activation_checkpointing: bool, bf16: bool
 ) -> list[tuple[float, float]]:
@@ -340,12 +342,11 @@ def child(config: str, work: Path, args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     checkpointing = args.activation_checkpointing
-    bf16 = config.endswith("_bf16")
+    dtype = arithmetic(config)
     if config in ALIGN_CONFIGS:
-        dtype = "bfloat16" if bf16 else "float32"
         ends = run_align(work, args.steps, checkpointing, ALIGN_LAYOUTS[config], dtype)
     else:
-        ends = run_trl(work, args.steps, config == "trl_live", checkpointing, bf16)
+        ends = run_trl(work, args.steps, config == "trl_live", checkpointing, dtype == "bfloat16")
     wall, cpu = np.diff(np.array(ends), axis=0).T
     print(json.dumps({"wall": wall.tolist(), "cpu": cpu.tolist()}))
 
@@ -426,8 +427,8 @@ def report(
             f"{config:<17} {row['median_step_s']:7.3f} {row['median_step_cpu_s']:7.3f} "
             f"{row['tokens_per_s']:9.0f} {row['peak_rss_mb']:13.0f}  {row['rounds']}"
         )
-    pairs = [(mine, other) for layouts, other in ARITHMETIC.values() for mine in layouts]
-    pairs += [(mine, "trl_live") for mine in ALIGN_CONFIGS if not mine.endswith("_bf16")]
+    pairs = [(mine, TRL_BASELINE[arithmetic(mine)]) for mine in ALIGN_CONFIGS]
+    pairs += [(mine, "trl_live") for mine in ALIGN_CONFIGS if arithmetic(mine) == "float32"]
     layouts = [(mine, "align") for mine in ALIGN_CONFIGS if mine != "align"]
     for mine, other in [*pairs, *layouts]:
         if mine not in summary or other not in summary:
@@ -437,8 +438,8 @@ def report(
             f"{mine:<17} / {other:<12} step time {ratios['median_step_s']:.2f}x "
             f"(cpu {ratios['median_step_cpu_s']:.2f}x)   peak RSS {ratios['peak_rss_mb']:.2f}x"
         )
-    for layouts, other in ARITHMETIC.values():
-        measured = [config for config in layouts if config in summary]
+    for dtype, other in TRL_BASELINE.items():
+        measured = [c for c in ALIGN_CONFIGS if c in summary and arithmetic(c) == dtype]
         if other not in summary or not measured:
             continue
         best = min(measured, key=lambda config: summary[config]["median_step_s"])
