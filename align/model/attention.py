@@ -3,7 +3,8 @@
 Every backend computes grouped-query causal attention with the same contract:
 q [B, Hq, T, D], k/v [B, Hkv, T, D], and a boolean mask [B, 1, T, T] (True =
 attend) or None for pure causal attention; with a mask, q may hold fewer positions
-than k/v (a cached decoding step). Two backends take another mask and are offered only
+than k/v (a cached decoding step). "sdpa" also takes a stream's `Pieces`
+(align.kernels.pieces): one unpadded row of prefix-shared pairs, attended piece by piece. Two backends take another mask and are offered only
 once their equivalence gate has a passed receipt for the current code, software and
 device: "triton_fa2", this package's Triton kernel, takes right-padded key lengths [B]
 (int32) or None and runs on CUDA; "flex", torch's FlexAttention, takes a block mask
@@ -23,6 +24,8 @@ from align.kernels import flex_gate
 from align.kernels.contract import check_gqa_shapes
 from align.kernels.equivalence import interpreted, proven_here, require_proven_kernel
 from align.kernels.flex import FlexMask, flex_attention_fn
+from align.kernels.pieces import Pieces
+from align.kernels.pieces import attend as attend_pieces
 
 AttentionFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor
@@ -30,9 +33,12 @@ AttentionFn = Callable[
 
 
 def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | Pieces | None
 ) -> torch.Tensor:
-    """torch's fused scaled_dot_product_attention; K/V heads are shared, never copied."""
+    """torch's fused scaled_dot_product_attention; K/V heads are shared, never copied. A
+    stream of prefix-shared pairs (align.kernels.pieces) runs its exact pieces."""
+    if isinstance(mask, Pieces):
+        return attend_pieces(q, k, v, mask)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -104,6 +110,9 @@ ATTENTION_BACKENDS: dict[str, AttentionFn] = {
 }
 # The backends that take a boolean mask with fewer queries than keys: a cached decoding step.
 MASKED_DECODING = ("sdpa", "eager")
+# The backends that run prefix-shared rows as one unpadded stream of exact attention
+# pieces (align.kernels.pieces) instead of padded rows under a dense segment mask.
+STREAMED = ("sdpa",)
 
 
 def select_attn_implementation(name: str, device: torch.device | str) -> str:
@@ -132,7 +141,8 @@ def attention(
 
     A boolean mask may pair fewer queries with more keys (a cached decoding step); the
     Triton kernel's key lengths may not."""
-    check_gqa_shapes(q, k, v, fewer_queries=mask is not None and impl in MASKED_DECODING)
+    fewer = isinstance(mask, Pieces) or (mask is not None and impl in MASKED_DECODING)
+    check_gqa_shapes(q, k, v, fewer_queries=fewer)
     if impl not in ATTENTION_BACKENDS:
         raise _unavailable(impl)
     return ATTENTION_BACKENDS[impl](q, k, v, mask)

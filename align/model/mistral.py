@@ -19,9 +19,15 @@ from torch import nn
 
 from align.constants import PAD_SEGMENT
 from align.kernels.flex import build_flex_mask, plain_segments
+from align.kernels.pieces import build_stream
 from align.kernels.segments import build_segment_mask, pair_slot
 from align.losses.fused import DEFAULT_CHUNK_SIZE, fused_sequence_logps
-from align.model.attention import MASKED_DECODING, attention, select_attn_implementation
+from align.model.attention import (
+    MASKED_DECODING,
+    STREAMED,
+    attention,
+    select_attn_implementation,
+)
 from align.model.hf_config import MistralConfig
 from align.model.kv_cache import KVCache
 
@@ -63,17 +69,28 @@ class SelfAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         cache: tuple[KVCache, int] | None = None,
+        queries: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`cache` is (the decoding cache, this layer's index) while generating."""
+        """`cache` is (the decoding cache, this layer's index) while generating; `queries`
+        the positions whose output is wanted (all when None), every position still a key."""
         batch, length, _ = x.shape
-        q = self.q(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        x_q, rope_q = (x, rope) if queries is None else _at(queries, x, rope)
+        width = x_q.shape[1]
+        q = self.q(x_q).view(batch, width, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = apply_rope(q, rope_q), apply_rope(k, rope)
         if cache is not None:
             k, v = cache[0].update(cache[1], k, v)
         out = attention(q, k, v, mask, self.attn_implementation)
-        return self.o(out.transpose(1, 2).reshape(batch, length, -1))
+        return self.o(out.transpose(1, 2).reshape(batch, width, -1))
+
+
+def _at(
+    queries: torch.Tensor, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """x [B, T, H] and its rotary tables at the positions `queries` [Tq] only."""
+    return x.index_select(1, queries), tuple(t.index_select(-2, queries) for t in rope)
 
 
 class SwiGLU(nn.Module):
@@ -105,8 +122,11 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         cache: tuple[KVCache, int] | None = None,
+        queries: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, mask, cache)
+        """The block's output at `queries` [Tq] (every position when None)."""
+        residual = x if queries is None else x.index_select(1, queries)
+        x = residual + self.attn(self.attn_norm(x), rope, mask, cache, queries)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -175,6 +195,10 @@ class NmoMistralForCausalLM(nn.Module):
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        if segment_ids is not None and cache is None and self.attn_implementation in STREAMED:
+            self._check_layout(input_ids, attention_mask, position_ids, segment_ids)
+            hidden = self._stream_hidden(input_ids, position_ids, segment_ids, labels)
+            return self._head(hidden, labels, loss_chunk_size, segment_ids, return_hidden)
         decoding = cache is not None and cache.prefilled
         x = self.embed(input_ids)
         if decoding:
@@ -191,10 +215,34 @@ class NmoMistralForCausalLM(nn.Module):
             x = layer(x, rope, mask, None if cache is None else (cache, index))
         if decoding:
             cache.advance()
-        hidden = self.norm(x)
+        return self._head(self.norm(x), labels, loss_chunk_size, segment_ids, return_hidden)
+
+    def _head(self, hidden, labels, chunk_size, segment_ids, return_hidden):
         if labels is not None:
-            return self._label_logps(hidden, labels, loss_chunk_size, segment_ids)
+            return self._label_logps(hidden, labels, chunk_size, segment_ids)
         return hidden if return_hidden else self.lm_head(hidden)
+
+    def _stream_hidden(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        segment_ids: torch.Tensor,
+        labels: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Final normed hidden states [B, T, H] of prefix-shared rows run as one unpadded
+        stream (align.kernels.pieces); zero where nothing reads them (padding, and with
+        `labels` every position no label set scores)."""
+        stream = build_stream(segment_ids, position_ids, self.config.sliding_window, labels)
+        x = self.embed(input_ids.flatten().index_select(0, stream.real))[None]
+        rope = rope_cos_sin(self.config, x.shape[1], x.dtype, x.device, stream.positions)
+        *early, last = self.layers
+        for layer in early:
+            x = layer(x, rope, stream.every_layer)
+        x = last(x, rope, stream.last_layer, queries=stream.labelled)
+        read = stream.real if stream.labelled is None else stream.real[stream.labelled]
+        hidden = self.norm(x)[0]
+        rows = hidden.new_zeros(input_ids.numel(), hidden.shape[-1])
+        return rows.index_copy(0, read, hidden).view(*input_ids.shape, -1)
 
     def _require_cacheable(self, segment_ids: torch.Tensor | None) -> None:
         if self.attn_implementation not in MASKED_DECODING:
@@ -213,6 +261,31 @@ class NmoMistralForCausalLM(nn.Module):
         segment_ids: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """What the backend takes as its mask, for plain or prefix-shared rows."""
+        self._check_layout(input_ids, attention_mask, position_ids, segment_ids)
+        if self.attn_implementation == "flex":
+            if segment_ids is None:
+                segment_ids, position_ids = plain_segments(
+                    attention_mask, input_ids.shape, input_ids.device
+                )
+            return build_flex_mask(segment_ids, position_ids, self.config.sliding_window)
+        if segment_ids is None:
+            if self.attn_implementation == "triton_fa2":
+                return build_key_lengths(
+                    attention_mask, input_ids.shape, self.config.sliding_window
+                )
+            return build_attention_mask(
+                attention_mask, input_ids.shape, self.config.sliding_window, input_ids.device
+            )
+        return build_segment_mask(segment_ids, position_ids, self.config.sliding_window)
+
+    def _check_layout(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        segment_ids: torch.Tensor | None,
+    ) -> None:
+        """Refuse mask arguments that disagree, or a layout the backend cannot mask."""
         if (position_ids is None) != (segment_ids is None):
             raise ValueError(
                 "position_ids and segment_ids come together (the prefix-shared layout); got "
@@ -233,21 +306,11 @@ class NmoMistralForCausalLM(nn.Module):
                 raise ValueError(
                     "attention_mask disagrees with segment_ids on which tokens are real"
                 )
-        if self.attn_implementation == "flex":
-            if segment_ids is None:
-                segment_ids, position_ids = plain_segments(
-                    attention_mask, input_ids.shape, input_ids.device
+            if segment_ids.shape != input_ids.shape or position_ids.shape != input_ids.shape:
+                raise ValueError(
+                    f"segment_ids {tuple(segment_ids.shape)} and position_ids "
+                    f"{tuple(position_ids.shape)} must match input_ids {tuple(input_ids.shape)}"
                 )
-            return build_flex_mask(segment_ids, position_ids, self.config.sliding_window)
-        if segment_ids is None:
-            if self.attn_implementation == "triton_fa2":
-                return build_key_lengths(
-                    attention_mask, input_ids.shape, self.config.sliding_window
-                )
-            return build_attention_mask(
-                attention_mask, input_ids.shape, self.config.sliding_window, input_ids.device
-            )
-        return build_segment_mask(segment_ids, position_ids, self.config.sliding_window)
 
     def _label_logps(
         self,
