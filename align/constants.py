@@ -51,6 +51,9 @@ CPU_ISAS = {
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", "triton_fa2", "flex")
 # The backends whose mask keeps the shared and packed layouts' segments apart.
 SEGMENT_MASK_ATTENTION = ("sdpa", "eager", "flex")
+# The backends that run those layouts' rows as one unpadded stream of exact attention
+# pieces (align.kernels.pieces) rather than padded rows under a dense mask.
+STREAMED_ATTENTION = ("sdpa",)
 # The backends proven by an equivalence gate before they run: the gate's module (its CLI),
 # the source file its receipt is keyed by, and the variable a stage reads its receipt at.
 GATED_ATTENTION = {

@@ -11,9 +11,9 @@ that the layer dominates) trains on prompt-heavy pairs (prompt 5/8 of the pair's
 chosen 3/8, rejected 1/4; the pairs' lengths T, T/2, T/4, T/4 in turn), collated by
 align.data.loader as two right-padded rows [prompt | response] through triton_fa2, flex
 and sdpa, as one prefix-shared row [prompt | chosen | rejected] per pair, or packed
-several pairs to a row, through flex and sdpa (which takes them as a dense mask). Ratios
-are to two rows through triton_fa2, the production path; the goal for shared rows through
-flex is <= 0.7.
+several pairs to a row, through flex and sdpa (which runs them as one unpadded stream of
+exact attention pieces, align.kernels.pieces). Ratios are to two rows through triton_fa2,
+the production path; the goal for shared rows through flex or sdpa is <= 0.7.
 
 Refuses to run without CUDA: CPU or interpreter timings say nothing about the kernels.
 
@@ -225,9 +225,9 @@ def benchmark_layouts(batch: int, length: int, warmup: int, iters: int) -> list[
         "two rows, flex": ("flex", "padded"),
         "two rows, sdpa": ("sdpa", "padded"),
         "shared rows, flex": ("flex", "shared"),
-        "shared rows, sdpa (dense mask)": ("sdpa", "shared"),
+        "shared rows, sdpa (stream)": ("sdpa", "shared"),
         "packed rows, flex": ("flex", "packed"),
-        "packed rows, sdpa (dense mask)": ("sdpa", "packed"),
+        "packed rows, sdpa (stream)": ("sdpa", "packed"),
     }
     rows = []
     for name, (attn, layout) in cases.items():

@@ -348,3 +348,31 @@ def test_scoring_projection_holds_swiglus_three_intermediate_tensors(tmp_path):
     modelled_mb = cpu_scoring_activations(shape, load_hf_config(tmp_path), rows, length) / MIB
     # Within 2%: the rotary tables and the label bookkeeping are not modelled.
     assert 0.95 <= peak_mb / modelled_mb <= 1.02, (peak_mb, modelled_mb)
+
+
+@pytest.mark.parametrize(
+    "stage, overrides, streamed",
+    [
+        ("dpo", ["--batch.layout=shared"], True),
+        ("dpo", ["--batch.layout=packed"], True),
+        ("dpo", ["--batch.layout=shared", "--model.attn_implementation=eager"], False),
+        ("dpo", [], False),
+        ("ref_cache", ["--ref.layout=shared"], True),
+        ("ref_cache", ["--ref.layout=shared", "--ref.attn_implementation=eager"], False),
+    ],
+)
+def test_a_streamed_layout_is_projected_without_the_dense_mask_it_never_builds(
+    stage, overrides, streamed
+):
+    cfg = ArmConfig()
+    apply_overrides(cfg, overrides, where="test")
+    shape = job_shape(stage, cfg)
+    assert shape.streamed is streamed
+    seq_len, rows = shape.seq_len, shape.rows
+    if streamed:
+        # A rejected response's [r, p + r] per pair, each sequence within seq_len.
+        assert shape.row_tokens == 2 * seq_len
+        assert shape.mask_positions(rows, shape.row_tokens) == rows * seq_len * seq_len
+    else:
+        side = shape.row_tokens
+        assert shape.mask_positions(rows, side) == rows * side * side

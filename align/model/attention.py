@@ -110,9 +110,6 @@ ATTENTION_BACKENDS: dict[str, AttentionFn] = {
 }
 # The backends that take a boolean mask with fewer queries than keys: a cached decoding step.
 MASKED_DECODING = ("sdpa", "eager")
-# The backends that run prefix-shared rows as one unpadded stream of exact attention
-# pieces (align.kernels.pieces) instead of padded rows under a dense segment mask.
-STREAMED = ("sdpa",)
 
 
 def select_attn_implementation(name: str, device: torch.device | str) -> str:

@@ -17,14 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from align.constants import PAD_SEGMENT
+from align.constants import PAD_SEGMENT, STREAMED_ATTENTION
 from align.kernels.flex import build_flex_mask, plain_segments
 from align.kernels.pieces import build_stream
 from align.kernels.segments import build_segment_mask, pair_slot
 from align.losses.fused import DEFAULT_CHUNK_SIZE, fused_sequence_logps
 from align.model.attention import (
     MASKED_DECODING,
-    STREAMED,
     attention,
     select_attn_implementation,
 )
@@ -195,7 +194,11 @@ class NmoMistralForCausalLM(nn.Module):
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
-        if segment_ids is not None and cache is None and self.attn_implementation in STREAMED:
+        if (
+            segment_ids is not None
+            and cache is None
+            and self.attn_implementation in STREAMED_ATTENTION
+        ):
             self._check_layout(input_ids, attention_mask, position_ids, segment_ids)
             hidden = self._stream_hidden(input_ids, position_ids, segment_ids, labels)
             return self._head(hidden, labels, loss_chunk_size, segment_ids, return_hidden)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from align.config import ModelConfig, PreflightConfig, RunConfig
+from align.constants import STREAMED_ATTENTION
 from align.data import deal
 from align.data.shards import RowWidths, pair_row_widths, read_shard
 from align.exit_codes import PreflightRefused
@@ -95,18 +96,24 @@ def activation_bytes_per_token_layer(config: MistralConfig, compute_bytes: int) 
 
 
 def kept_activation_bytes(
-    config: MistralConfig, rows: int, length: int, compute_bytes: int, checkpointing: bool
+    config: MistralConfig,
+    rows: int,
+    length: int,
+    compute_bytes: int,
+    checkpointing: bool,
+    mask_positions: int,
 ) -> float:
     """Activations one training forward of rows x length keeps for backward, in bytes.
 
-    A padded batch gives SDPA a boolean mask that it turns into a compute-dtype bias per
-    layer call, and keeps for backward. Activation checkpointing keeps each layer's input
-    and recomputes one layer's activations at a time in backward.
+    A batch gives SDPA a boolean mask of `mask_positions` (JobShape.mask_positions) that
+    it turns into a compute-dtype bias per layer call, and keeps for backward. Activation
+    checkpointing keeps each layer's input and recomputes one layer's activations at a
+    time in backward.
     """
     c = compute_bytes
     tokens = rows * length
     per_layer = activation_bytes_per_token_layer(config, c) * tokens
-    mask = rows * length * length * c
+    mask = mask_positions * c
     layers = config.num_hidden_layers
     if checkpointing:
         kept = layers * tokens * config.hidden_size * c + per_layer + mask
@@ -167,7 +174,12 @@ def projected_device_phases(shape: JobShape, checkpoint: str | Path) -> dict[str
             # The root stays gathered from the first forward to the end of backward.
             "gathered_root": counts["root"] * (2 * c + reduce_copy),
             "activations": kept_activation_bytes(
-                config, shape.rows, shape.row_tokens, c, shape.activation_checkpointing
+                config,
+                shape.rows,
+                shape.row_tokens,
+                c,
+                shape.activation_checkpointing,
+                shape.mask_positions(shape.rows, shape.row_tokens),
             ),
             "loss_head": loss_head_bytes(c, config),
         }
@@ -178,7 +190,9 @@ def projected_device_phases(shape: JobShape, checkpoint: str | Path) -> dict[str
         policies = 2 if load.second_policy else 1
         scoring = max(
             shape.rank_scoring_bytes(
-                lambda rows, tokens: scoring_activation_bytes(config, rows, tokens, c)
+                lambda rows, tokens: scoring_activation_bytes(
+                    config, rows, tokens, c, shape.mask_positions(rows, tokens)
+                )
             )
         )
         phases["evaluate"] = {
@@ -323,6 +337,18 @@ class JobShape:
     # Each rank's scoring forwards, (rows, width), as the stage deals them from the pair
     # shards it reads; empty where they are not known (rows x row_tokens bounds them).
     scored: tuple[frozenset[tuple[int, int]], ...] = ()
+    # Prefix-shared rows through a backend that runs them as one unpadded stream of exact
+    # attention pieces (align.kernels.pieces): no dense mask.
+    streamed: bool = False
+
+    def mask_positions(self, rows: int, length: int) -> int:
+        """Positions of the boolean attention mask one forward of rows x length builds: the
+        dense [rows, T, T], or in a stream a rejected response's [r, p + r] per pair, each
+        sequence at most seq_len long, with rows bounding the pairs."""
+        if not self.streamed:
+            return rows * length * length
+        side = min(length, self.seq_len)
+        return rows * side * side
 
     def rank_scoring_bytes(self, cost: Callable[[int, int], float]) -> list[float]:
         """Each rank's costliest scoring forward under `cost(rows, tokens)`: of the forwards
@@ -355,6 +381,7 @@ def job_shape(
     # several pairs in a row no wider than its widest pair, so no more rows than pairs.
     trained = batch.layout if batch is not None else "padded"
     shared = (cfg.ref.layout if stage == "ref_cache" else trained) != "padded"
+    forward = cfg.ref if stage == "ref_cache" else cfg.model
     per_item, length = (1, 2 * seq_len) if shared else (2 if pairs else 1, seq_len)
     if widths is not None:
         length = min(length, widths.shared if shared else widths.padded)
@@ -384,6 +411,7 @@ def job_shape(
         generation_tokens=new_tokens,
         preflight=getattr(cfg, "preflight", PreflightConfig()),
         scored=scored,
+        streamed=shared and forward.attn_implementation in STREAMED_ATTENTION,
     )
 
 
@@ -642,7 +670,12 @@ def cpu_training_activations(shape: JobShape, config: MistralConfig) -> float:
     """What one rank's training forward keeps for backward, and the fused loss head's chunk."""
     c = DTYPE_BYTES[shape.model.dtype]
     kept = kept_activation_bytes(
-        config, shape.rows, shape.row_tokens, c, shape.activation_checkpointing
+        config,
+        shape.rows,
+        shape.row_tokens,
+        c,
+        shape.activation_checkpointing,
+        shape.mask_positions(shape.rows, shape.row_tokens),
     )
     return kept + LOSS_HEAD_COPIES * LOSS_CHUNK * config.vocab_size * 4
 
@@ -654,11 +687,12 @@ def cpu_scoring_activations(
     residual stream and final norm beside the fused loss head's chunk, whichever is larger."""
     c = DTYPE_BYTES[shape.model.dtype]
     head = rows * row_tokens * 3 * config.hidden_size * c + LOSS_CHUNK * config.vocab_size * 4
-    return max(scoring_activation_bytes(config, rows, row_tokens, c), head)
+    mask = shape.mask_positions(rows, row_tokens)
+    return max(scoring_activation_bytes(config, rows, row_tokens, c, mask), head)
 
 
 def scoring_activation_bytes(
-    config: MistralConfig, rows: int, length: int, compute_bytes: int
+    config: MistralConfig, rows: int, length: int, compute_bytes: int, mask_positions: int
 ) -> float:
     """A forward without autograd frees each tensor once the next is computed. Its peak is
     three residual-width tensors (the stream, its normed copy, the branch input) beside the
@@ -670,7 +704,7 @@ def scoring_activation_bytes(
     c = compute_bytes
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    mask = rows * length * length
+    mask = mask_positions
     attention = rows * length * (2 * q + 2 * kv + q) * c + mask * c
     swiglu = rows * length * 3 * config.intermediate_size * c
     return rows * length * 3 * config.hidden_size * c + mask + max(attention, swiglu)
