@@ -9,9 +9,11 @@ is compared in its own arithmetic: float32 align against float32 TRL, bfloat16 c
 
   align        align's Trainer (FSDP2 on one gloo rank), reference log-probs precomputed
   align_shared the same with batch.layout = "shared": one row [prompt | chosen | rejected]
-               per pair, so the prompt runs once
+               per pair, so the prompt runs once; sdpa runs the rows as one unpadded stream
+               of exact attention pieces, the last layer only where a label reads it
+               (align.kernels.pieces)
   align_packed the same with batch.layout = "packed": as many shared pairs per row as
-               fit the step's widest, so short pairs pad less
+               fit the step's widest (the same stream through sdpa)
   align_bf16   align with model.dtype = bfloat16: float32 master shards, bf16 forward and
                backward (FSDP2's MixedPrecisionPolicy), its own bf16 reference log-probs
   align_shared_bf16  the shared layout in bfloat16
@@ -38,7 +40,11 @@ tables report the median over rounds. Tokens/s is the mean real (unpadded) token
 a step in the chosen-then-rejected layout (the prompt counted twice, for every
 configuration alike) over the median wall step time; every run covers the same pairs
 exactly once. The mean prompt and response lengths are printed with the table: the
-prompt's share of them is what the shared layout saves.
+prompt's share of them is what the shared layout saves. So are the positions each side's
+decoder computes a step: TRL's two rows per pair, padded to the step's longest (as its
+collator pads; the mean over consecutive groups of pairs, as either trainer shuffles its
+own order), against align's stream of real tokens. Their ratio is what the step-time
+ratio would be if a step cost only its positions.
 
 Run: .venv/bin/python benchmarks/trainer_vs_trl.py  [--steps 12] [--rounds 3] [--threads 1]
      [--activation-checkpointing] [--configs align align_bf16 ...] [--workloads shots varied]
@@ -194,9 +200,14 @@ def prepare(work: Path, n_pairs: int, workload: str) -> dict[str, float]:
         float(np.mean([len(getattr(p, part)) for p in pairs]))
         for part in ("prompt", "chosen", "rejected")
     )
+    longest = [
+        max(len(p.prompt) + max(len(p.chosen), len(p.rejected)) for p in step)
+        for step in zip(*[iter(pairs)] * PAIRS_PER_STEP, strict=True)
+    ]
     return {
         "tokens_per_step": (2 * prompt + chosen + rejected) * PAIRS_PER_STEP,
         "shared_tokens_per_step": (prompt + chosen + rejected) * PAIRS_PER_STEP,
+        "trl_positions_per_step": 2 * PAIRS_PER_STEP * float(np.mean(longest)),
         "mean_prompt": prompt,
         "mean_chosen": chosen,
         "mean_rejected": rejected,
@@ -417,6 +428,11 @@ def report(
     print(
         f"mean lengths: prompt {data['mean_prompt']:.1f}, chosen response "
         f"{data['mean_chosen']:.1f}, rejected response {data['mean_rejected']:.1f} tokens"
+    )
+    trl_positions, stream = data["trl_positions_per_step"], data["shared_tokens_per_step"]
+    print(
+        f"decoder positions a step: TRL {trl_positions:.0f} (two rows a pair, padded), "
+        f"align's stream {stream:.0f}: {stream / trl_positions:.2f}x"
     )
     print(
         f"{'config':<17} {'step s':>7} {'cpu s':>7} {'tokens/s':>9} {'peak RSS MiB':>13}"

@@ -137,3 +137,39 @@ def test_a_stream_refuses_queries_its_pieces_do_not_tile():
     with pytest.raises(ValueError, match="stream's attention takes q"):
         attend(q, k, k, stream.every_layer)
     assert pieces_module.Pieces is type(stream.every_layer)
+
+
+def test_a_batch_that_scores_no_token_streams_to_zero_log_probs():
+    # A prompt-less pair of one-token responses: nothing predicts either token.
+    batch = collate_shared_prompt(pair_arrays([(0, 1, 1)]), np.arange(1))
+    assert (batch.labels == IGNORE_INDEX).all()
+    model = tiny_model(sliding_window=None, attn="sdpa")
+    logps, counts = model(
+        batch.input_ids,
+        labels=batch.labels,
+        position_ids=batch.position_ids,
+        segment_ids=batch.segment_ids,
+    )
+    assert logps.tolist() == [0.0, 0.0] and counts.tolist() == [0, 0]
+
+
+def test_checkpointed_layers_stream_the_gradients_of_plain_ones():
+    from align.train.fsdp import apply_activation_checkpointing
+
+    batch = collate_shared_prompt(pair_arrays(LONG), np.arange(len(LONG)), pack=True)
+    grads = []
+    for checkpointed in (False, True):
+        model = tiny_model(sliding_window=None, attn="sdpa")
+        if checkpointed:
+            apply_activation_checkpointing(model)
+        logps, _ = model(
+            batch.input_ids,
+            labels=batch.labels,
+            position_ids=batch.position_ids,
+            segment_ids=batch.segment_ids,
+        )
+        logps.sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert len(grads[0]) == len(grads[1])
+    for plain, checkpointed in zip(*grads, strict=True):
+        assert torch.equal(plain, checkpointed)

@@ -1,7 +1,7 @@
 """FlexAttention (torch.nn.attention.flex_attention) as an attention backend.
 
 Every layout reaches it as segments and positions under the prefix-shared rule of
-align.kernels.segments, the one sdpa's dense mask evaluates; plain right-padded rows are
+align.kernels.segments, the one eager's dense mask evaluates; plain right-padded rows are
 one prefix segment. torch compiles the rule into a block mask, so fully masked blocks (a
 shared row's chosen x rejected blocks, the window's far past) are skipped.
 

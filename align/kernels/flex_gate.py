@@ -1,11 +1,10 @@
 """The equivalence gate of the flex attention backend (align.kernels.flex), and its receipts.
 
 `run_gate` compares the backend on seeded random inputs with scaled_dot_product_attention
-in float64 under the dense mask the sdpa backend would be given for the same rows
-(align.kernels.segments), over a pre-registered grid: shared-prompt rows (a prefix and
-two branches whose positions restart), packed rows (several such pairs), right-padded rows
-with a single-token row, sliding windows, grouped-query heads, widths that end mid-block.
-It measures the output and, where FlexAttention has a backward (CUDA), dq, dk and dv, each by
+in float64 under the dense mask of the same rows (align.kernels.segments), over a
+pre-registered grid: shared-prompt rows (a prefix and two branches whose positions
+restart), packed rows (several such pairs), right-padded rows with a single-token row,
+sliding windows, grouped-query heads, widths that end mid-block. It measures the output and, where FlexAttention has a backward (CUDA), dq, dk and dv, each by
 max|flex - reference| / max|reference|, and times each shape's compilation. Receipts are
 keyed by this package's flex source, torch and the device (a CPU by the vector ISA inductor
 compiles for: torch 2.13's CPU flex compiled for AVX2 fails this gate on an AVX-512
@@ -43,7 +42,7 @@ CPU = "cpu"
 METRIC = (
     "max|flex - reference| / max|reference| per tensor (out; dq, dk, dv where a backward "
     "runs); reference: scaled_dot_product_attention in float64 on the same rounded inputs "
-    "under the sdpa backend's dense mask for the same rows"
+    "under the dense segment mask of the same rows"
 )
 KEY_COMPONENTS = {
     "flex_source_sha256": "flex source (sha256 of align/kernels/flex.py)",

@@ -183,6 +183,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Pieces) -> t
             f"a stream's attention takes q [1, Hq, {plan.num_queries}, D], got {tuple(q.shape)}"
         )
     gqa = q.shape[1] != k.shape[1]
+    if not plan.pieces:  # nothing queried: a batch whose pairs score no token
+        return q
     outputs = []
     for piece in plan.pieces:
         keys, values = (_ranges(x, piece.keys) for x in (k, v))

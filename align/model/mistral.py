@@ -82,7 +82,7 @@ class SelfAttention(nn.Module):
         if cache is not None:
             k, v = cache[0].update(cache[1], k, v)
         out = attention(q, k, v, mask, self.attn_implementation)
-        return self.o(out.transpose(1, 2).reshape(batch, width, -1))
+        return self.o(out.transpose(1, 2).reshape(batch, width, self.o.in_features))
 
 
 def _at(
