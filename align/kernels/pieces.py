@@ -142,7 +142,7 @@ def _pieces(
 ) -> Pieces:
     """The calls that give the queried stream positions' attention outputs, in order: per
     pair, the prefix with its first branch as one causal sequence, then each later branch
-    against the prefix and itself, each cut into blocks of QUERY_BLOCK positions."""
+    against the prefix and itself."""
     pieces = []
     for runs in pairs:
         prefix = runs[0][:2] if runs[0][2] else None
@@ -182,9 +182,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Pieces) -> t
         raise ValueError(
             f"a stream's attention takes q [1, Hq, {plan.num_queries}, D], got {tuple(q.shape)}"
         )
-    gqa = q.shape[1] != k.shape[1]
     if not plan.pieces:  # nothing queried: a batch whose pairs score no token
         return q
+    gqa = q.shape[1] != k.shape[1]
     outputs = []
     for piece in plan.pieces:
         keys, values = (_ranges(x, piece.keys) for x in (k, v))

@@ -8,7 +8,9 @@ package's own; checkpoint.py maps them to and from HF's.
 Besides plain right-padded rows, forward takes a prefix-shared layout: one row holds
 a shared prefix followed by several branches (e.g. prompt | chosen | rejected), with
 `position_ids` restarting each branch after the prefix and `segment_ids` from which
-the mask (align.kernels.segments) keeps every branch blind to the others.
+the mask (align.kernels.segments) keeps every branch blind to the others. sdpa runs such
+rows as one unpadded stream of exact attention pieces (align.kernels.pieces), its last
+layer only where a label reads it; the other backends take them as padded rows.
 """
 
 from __future__ import annotations
@@ -221,6 +223,7 @@ class NmoMistralForCausalLM(nn.Module):
         return self._head(self.norm(x), labels, loss_chunk_size, segment_ids, return_hidden)
 
     def _head(self, hidden, labels, chunk_size, segment_ids, return_hidden):
+        """What forward returns from the final normed hidden states [B, T, H]."""
         if labels is not None:
             return self._label_logps(hidden, labels, chunk_size, segment_ids)
         return hidden if return_hidden else self.lm_head(hidden)
