@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One prepared run for a lent GPU machine, from the repo root: the triton_fa2 and flex
 # equivalence gates, the attention benchmark (kernels, and a 7B-shaped layer's step in each
-# pair layout at T = 2048 and 4096), the selector on CUDA, tests/test_flash_attn.py on the
-# GPU, and the precision and device-memory checks (bf16 compute over float32 masters, the
+# pair layout at T = 2048 and 4096), the selector on CUDA, tests/test_flash_attn.py and
+# tests/test_attention_pieces.py on the GPU, and the precision and device-memory checks (bf16 compute over float32 masters, the
 # elements one step at lr 5e-7 moves, projected vs measured memory of a full-width
 # Mistral-7B step with adamw8bit, the fused loss head's memory at T = 4096, and a CUDA
 # rank's host memory against preflight.cuda_rank_overhead_mb). Every step
@@ -73,7 +73,7 @@ step equivalence $PYTHON -m align.kernels.equivalence
 step flex_equivalence $PYTHON -m align.kernels.flex_gate
 step benchmark $PYTHON benchmarks/attention.py --layouts --out "$OUT/attention_benchmark.json"
 step selector selector_on_cuda
-step pytest $PYTHON -m pytest -q -p no:cacheprovider tests/test_flash_attn.py
+step pytest $PYTHON -m pytest -q -p no:cacheprovider tests/test_flash_attn.py tests/test_attention_pieces.py
 step precision_memory $PYTHON benchmarks/gpu_precision_memory.py --out "$OUT/precision_memory.json"
 
 if ((${#failed[@]})); then
