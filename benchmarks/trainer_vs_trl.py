@@ -31,7 +31,8 @@ is skipped), so both score the same completion tokens. Each side precomputes its
 before training, as its trainer does.
 
 How it is measured: every (configuration, round) runs in a fresh subprocess with
-the same thread count; peak RSS is that child's ru_maxrss (os.wait4). Step time is the
+the same thread count (an align one set up as align's stages set up a rank:
+align.utils.guard.configure_cpu); peak RSS is that child's ru_maxrss (os.wait4). Step time is the
 interval between consecutive optimizer-step ends, so it covers everything the loop
 does (data, forward, backward, clip, optimizer, logging), in wall time and in the
 child's CPU time (steadier when other jobs share the cores); the median over a run's
@@ -349,6 +350,11 @@ def run_trl(
 
 
 def child(config: str, work: Path, args: argparse.Namespace) -> None:
+    if config in ALIGN_CONFIGS:  # as align's stages set up a rank, before torch is imported
+        from align.config import RunConfig
+        from align.utils.guard import configure_cpu
+
+        configure_cpu(RunConfig(threads=args.threads))
     import torch
 
     torch.set_num_threads(args.threads)

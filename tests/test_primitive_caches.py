@@ -1,0 +1,43 @@
+"""The CPU math libraries' per-shape primitive caches under a rank: bounded by
+configure_cpu, so bfloat16 matmuls whose row count changes every step stop growing the
+process once a step's shapes are cached."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+PROGRAM = """
+import json, os, sys
+from align.config import RunConfig
+from align.utils.guard import configure_cpu
+if sys.argv[1] == "configured":
+    configure_cpu(RunConfig(threads=1))
+import torch
+from align.train.phases import status_mb
+weight = torch.randn(768, 256, dtype=torch.bfloat16, requires_grad=True)
+
+def step(rows):
+    x = torch.randn(rows, 256, dtype=torch.bfloat16, requires_grad=True)
+    torch.nn.functional.linear(x, weight).sum().backward()
+
+for rows in range(1000, 1040):  # warm: allocator and libraries settle
+    step(rows)
+before = status_mb("VmRSS")
+for rows in range(2000, 2120):
+    step(rows)
+print(json.dumps({"grew_mb": status_mb("VmRSS") - before}))
+"""
+
+
+def growth(mode: str) -> float:
+    done = subprocess.run(
+        [sys.executable, "-c", PROGRAM, mode], capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout)["grew_mb"]
+
+
+def test_bf16_matmuls_of_a_new_row_count_each_step_grew_the_primitive_caches_without_bound():
+    assert growth("default") > 100  # about 2 MiB per new shape, 120 shapes
+    assert growth("configured") < 30
