@@ -6,10 +6,10 @@ attend) or None for pure causal attention; with a mask, q may hold fewer positio
 than k/v (a cached decoding step). "sdpa" also takes a stream's `Pieces`
 (align.kernels.pieces): one unpadded row of prefix-shared pairs, attended piece by piece.
 Two backends take another mask and are offered only once their equivalence gate has a
-passed receipt for the current code, software and device: "triton_fa2", this package's Triton kernel, takes right-padded key lengths [B]
-(int32) or None and runs on CUDA; "flex", torch's FlexAttention, takes a block mask
-(align.kernels.flex.FlexMask) and runs on CUDA, or on the CPU without gradients. New
-backends register in `ATTENTION_BACKENDS`.
+passed receipt for the current code, software and device: "triton_fa2", this package's
+Triton kernel, takes right-padded key lengths [B] (int32) or None and runs on CUDA;
+"flex", torch's FlexAttention, takes a block mask (align.kernels.flex.FlexMask) and runs
+on CUDA, or on the CPU without gradients. New backends register in `ATTENTION_BACKENDS`.
 """
 
 from __future__ import annotations
