@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from align.constants import IGNORE_INDEX, PAD_SEGMENT
-from align.kernels.segments import prefix_of, visible
+from align.kernels.segments import prefix_of, visible_between
 
 
 @dataclass(frozen=True)
@@ -116,16 +116,7 @@ class _Rule:
     sliding_window: int | None
 
     def mask(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        s, p = self.segments, self.positions
-        return visible(
-            s[queries, None],
-            s[None, keys],
-            p[queries, None],
-            p[None, keys],
-            queries[:, None],
-            keys[None, :],
-            self.sliding_window,
-        )
+        return visible_between(self.segments, self.positions, queries, keys, self.sliding_window)
 
     def causal_suffices(self, start: int, end: int) -> bool:
         """Whether plain causal attention is the rule over [start, end): no window cuts it."""

@@ -6,8 +6,8 @@ attends to keys at or before it in the row that are in its own segment or in its
 prefix, never to padding or another pair; with a window, only to keys whose position is
 within it of its own. So each branch sees exactly what it would see as its own row after
 the prefix. A padded query sees only itself, so no row is fully masked (which would give
-NaN). `visible` states the rule once: the dense mask of sdpa and eager evaluates it on index
-grids, FlexAttention's mask function on single positions.
+NaN). `visible` states the rule once: eager's dense mask and sdpa's stream pieces evaluate
+it on index grids (`visible_between`), FlexAttention's mask function on single positions.
 """
 
 from __future__ import annotations
@@ -56,13 +56,24 @@ def build_segment_mask(
             f"{tuple(segment_ids.shape)} and {tuple(position_ids.shape)}"
         )
     index = torch.arange(segment_ids.shape[1], device=segment_ids.device)
-    allowed = visible(
-        segment_ids[:, :, None],
-        segment_ids[:, None, :],
-        position_ids[:, :, None],
-        position_ids[:, None, :],
-        index[:, None],
-        index[None, :],
+    return visible_between(segment_ids, position_ids, index, index, sliding_window)[:, None]
+
+
+def visible_between(
+    segments: torch.Tensor,
+    positions: torch.Tensor,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Whether each of `queries` attends to each of `keys` ([Q] and [K] indices into the
+    last dimension of `segments` / `positions` [..., T]): [..., Q, K]."""
+    return visible(
+        segments[..., queries, None],
+        segments[..., None, keys],
+        positions[..., queries, None],
+        positions[..., None, keys],
+        queries[:, None],
+        keys[None, :],
         sliding_window,
     )
-    return allowed[:, None]

@@ -24,11 +24,7 @@ from align.kernels.flex import build_flex_mask, plain_segments
 from align.kernels.pieces import build_stream
 from align.kernels.segments import build_segment_mask, pair_slot
 from align.losses.fused import DEFAULT_CHUNK_SIZE, fused_sequence_logps
-from align.model.attention import (
-    MASKED_DECODING,
-    attention,
-    select_attn_implementation,
-)
+from align.model.attention import MASKED_DECODING, attention, select_attn_implementation
 from align.model.hf_config import MistralConfig
 from align.model.kv_cache import KVCache
 

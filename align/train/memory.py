@@ -95,27 +95,20 @@ def activation_bytes_per_token_layer(config: MistralConfig, compute_bytes: int) 
     return norms + rope + attention + o_input + mlp
 
 
-def kept_activation_bytes(
-    config: MistralConfig,
-    rows: int,
-    length: int,
-    compute_bytes: int,
-    checkpointing: bool,
-    mask_positions: int,
-) -> float:
-    """Activations one training forward of rows x length keeps for backward, in bytes.
+def kept_activation_bytes(config: MistralConfig, shape: JobShape) -> float:
+    """Activations one training forward of the shape's rows x row_tokens keeps for
+    backward, in bytes.
 
-    A batch gives SDPA a boolean mask of `mask_positions` (JobShape.mask_positions) that
-    it turns into a compute-dtype bias per layer call, and keeps for backward. Activation
-    checkpointing keeps each layer's input and recomputes one layer's activations at a
-    time in backward.
+    A batch gives SDPA a boolean mask (JobShape.mask_positions) that it turns into a
+    compute-dtype bias per layer call, and keeps for backward. Activation checkpointing
+    keeps each layer's input and recomputes one layer's activations at a time in backward.
     """
-    c = compute_bytes
-    tokens = rows * length
+    c = DTYPE_BYTES[shape.model.dtype]
+    tokens = shape.rows * shape.row_tokens
     per_layer = activation_bytes_per_token_layer(config, c) * tokens
-    mask = mask_positions * c
+    mask = shape.mask_positions(shape.rows, shape.row_tokens) * c
     layers = config.num_hidden_layers
-    if checkpointing:
+    if shape.activation_checkpointing:
         kept = layers * tokens * config.hidden_size * c + per_layer + mask
     else:
         kept = layers * (per_layer + mask)
@@ -173,14 +166,7 @@ def projected_device_phases(shape: JobShape, checkpoint: str | Path) -> dict[str
             "layer_gradients": counts["layer"] * (c + reduce_copy),
             # The root stays gathered from the first forward to the end of backward.
             "gathered_root": counts["root"] * (2 * c + reduce_copy),
-            "activations": kept_activation_bytes(
-                config,
-                shape.rows,
-                shape.row_tokens,
-                c,
-                shape.activation_checkpointing,
-                shape.mask_positions(shape.rows, shape.row_tokens),
-            ),
+            "activations": kept_activation_bytes(config, shape),
             "loss_head": loss_head_bytes(c, config),
         }
     if load.exports:
@@ -190,9 +176,7 @@ def projected_device_phases(shape: JobShape, checkpoint: str | Path) -> dict[str
         policies = 2 if load.second_policy else 1
         scoring = max(
             shape.rank_scoring_bytes(
-                lambda rows, tokens: scoring_activation_bytes(
-                    config, rows, tokens, c, shape.mask_positions(rows, tokens)
-                )
+                lambda rows, tokens: scoring_activation_bytes(config, shape, rows, tokens)
             )
         )
         phases["evaluate"] = {
@@ -668,15 +652,7 @@ def rank_overhead_mb(preflight: PreflightConfig, device: str) -> float:
 
 def cpu_training_activations(shape: JobShape, config: MistralConfig) -> float:
     """What one rank's training forward keeps for backward, and the fused loss head's chunk."""
-    c = DTYPE_BYTES[shape.model.dtype]
-    kept = kept_activation_bytes(
-        config,
-        shape.rows,
-        shape.row_tokens,
-        c,
-        shape.activation_checkpointing,
-        shape.mask_positions(shape.rows, shape.row_tokens),
-    )
+    kept = kept_activation_bytes(config, shape)
     return kept + LOSS_HEAD_COPIES * LOSS_CHUNK * config.vocab_size * 4
 
 
@@ -687,12 +663,11 @@ def cpu_scoring_activations(
     residual stream and final norm beside the fused loss head's chunk, whichever is larger."""
     c = DTYPE_BYTES[shape.model.dtype]
     head = rows * row_tokens * 3 * config.hidden_size * c + LOSS_CHUNK * config.vocab_size * 4
-    mask = shape.mask_positions(rows, row_tokens)
-    return max(scoring_activation_bytes(config, rows, row_tokens, c, mask), head)
+    return max(scoring_activation_bytes(config, shape, rows, row_tokens), head)
 
 
 def scoring_activation_bytes(
-    config: MistralConfig, rows: int, length: int, compute_bytes: int, mask_positions: int
+    config: MistralConfig, shape: JobShape, rows: int, length: int
 ) -> float:
     """A forward without autograd frees each tensor once the next is computed. Its peak is
     three residual-width tensors (the stream, its normed copy, the branch input) beside the
@@ -701,10 +676,10 @@ def scoring_activation_bytes(
     stays throughout. With every tensor returned on free (benchmarks/scoring_heap.py), 8
     rows of 1024 tokens peak at 201 MiB at 57.7M parameters and 440 MiB at 258M; modelled
     200 and 440."""
-    c = compute_bytes
+    c = DTYPE_BYTES[shape.model.dtype]
     q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    mask = mask_positions
+    mask = shape.mask_positions(rows, length)
     attention = rows * length * (2 * q + 2 * kv + q) * c + mask * c
     swiglu = rows * length * 3 * config.intermediate_size * c
     return rows * length * 3 * config.hidden_size * c + mask + max(attention, swiglu)
