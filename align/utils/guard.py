@@ -21,9 +21,9 @@ from align.utils.heap import fix_mmap_threshold
 X86_64 = ("x86_64", "AMD64")
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 # oneDNN, and ideep above it, keep a compiled primitive per matmul shape, 1,024 each by
-# default: bfloat16 matmuls on the CPU with a new row count per step grew a process by
-# 2-8 MiB a shape (600 MiB over 24 steps of varied rows at 4.9M parameters). One step's
-# shapes fit in 64, and rows that vary never hit across steps, so the bound costs no time.
+# default: bfloat16 matmuls on the CPU with a new row count each step grew a process by
+# about 8 MiB a shape at 2,000 rows (tests/test_primitive_caches.py). One step's shapes fit
+# in 64, and rows that vary never hit across steps, so the bound drops no reuse.
 PRIMITIVE_CACHE_VARS = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
 _held: list[FileLock] = []  # held until the process exits; the OS releases it even on SIGKILL
 
