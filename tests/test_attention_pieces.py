@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_prefix_sharing import NO_PROMPT, PACKABLE, RAGGED, pair_arrays, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from align.constants import IGNORE_INDEX
 from align.data.loader import collate_shared_prompt
@@ -183,3 +184,37 @@ def test_checkpointed_layers_stream_the_gradients_of_plain_ones():
     assert len(grads[0]) == len(grads[1])
     for plain, checkpointed in zip(*grads, strict=True):
         assert torch.equal(plain, checkpointed)
+
+
+class _Ops(TorchDispatchMode):
+    """The aten ops run under it that write a tensor (views left out), with its shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.ran: list[tuple[object, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and not func.is_view:
+            self.ran.append((func, tuple(out.shape)))
+        return out
+
+
+@pytest.mark.parametrize("lengths, pack, window", layouts())
+def test_the_stream_backward_wrote_a_zero_filled_whole_stream_gradient_for_every_piece(
+    lengths, pack, window
+):
+    batch = collate_shared_prompt(pair_arrays(lengths), np.arange(len(lengths)), pack=pack)
+    stream = build_stream(batch.segment_ids, batch.position_ids, window)
+    length = stream.every_layer.num_queries
+    q, k, v = (
+        torch.randn(1, heads, length, HEAD_DIM, requires_grad=True)
+        for heads in (HEADS, KV_HEADS, KV_HEADS)
+    )
+    out = attend(q, k, v, stream.every_layer)
+    with _Ops() as ops:
+        out.sum().backward()
+    assert torch.ops.aten.slice_backward.default not in {func for func, _ in ops.ran}
+    # q's, k's and v's gradients are each written whole once, by the split's backward.
+    whole = [func for func, shape in ops.ran if shape[2:] == (length, HEAD_DIM)]
+    assert len(whole) == 3, whole

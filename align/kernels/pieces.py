@@ -38,10 +38,14 @@ class Piece:
 
 @dataclass(frozen=True)
 class Pieces:
-    """The attention calls of one layer, whose queries tile its queried positions in order."""
+    """The attention calls of one layer, whose queries tile its queried positions in order,
+    over a stream of `num_keys` keys cut at `key_bounds` into the runs the calls' key
+    ranges are made of."""
 
     pieces: tuple[Piece, ...]
     num_queries: int
+    num_keys: int
+    key_bounds: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -73,12 +77,12 @@ def build_stream(
     rows = real // segment_ids.shape[1]
     pairs = _pair_runs(rows, segments)
     rule = _Rule(torch.from_numpy(segments), torch.from_numpy(positions), sliding_window)
-    every_layer = _pieces(pairs, np.arange(len(real)), rule, device)
+    every_layer = _pieces(pairs, np.arange(len(real)), len(real), rule, device)
     labelled, last_layer = None, every_layer
     if labels is not None:
         read = (labels.reshape(-1, flat.size) != IGNORE_INDEX).any(0).cpu().numpy()
         labelled = np.flatnonzero(read[real])
-        last_layer = _pieces(pairs, labelled, rule, device)
+        last_layer = _pieces(pairs, labelled, len(real), rule, device)
         labelled = _to(labelled, device)
     return Stream(
         _to(real, device), _to(positions, device)[None], every_layer, labelled, last_layer
@@ -128,6 +132,7 @@ class _Rule:
 def _pieces(
     pairs: list[list[tuple[int, int, bool]]],
     queried: np.ndarray,
+    num_keys: int,
     rule: _Rule,
     device: torch.device,
 ) -> Pieces:
@@ -147,7 +152,8 @@ def _pieces(
             low, high = (int(i) for i in np.searchsorted(queried, [start, end]))
             if low < high:
                 pieces.append(_piece(queried, slice(low, high), (start, end), keys, rule, device))
-    return Pieces(tuple(pieces), len(queried))
+    bounds = {0, num_keys} | {edge for piece in pieces for span in piece.keys for edge in span}
+    return Pieces(tuple(pieces), len(queried), num_keys, tuple(sorted(bounds)))
 
 
 def _piece(
@@ -168,30 +174,53 @@ def _piece(
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Pieces) -> torch.Tensor:
     """sdpa over q [1, Hq, Nq, D] (the layer's queried positions) and k/v [1, Hkv, N, D]
-    (the whole stream), piece by piece; [1, Hq, Nq, D]."""
-    if q.shape[0] != 1 or q.shape[2] != plan.num_queries:
+    (the whole stream), piece by piece; [1, Hq, Nq, D].
+
+    q, k and v are split, not sliced, into the pieces' parts: the backward of a split is
+    one concatenation, where each slice's backward would write a zero-filled gradient of
+    the whole stream, to be summed with every other slice's.
+    """
+    if q.shape[0] != 1 or q.shape[2] != plan.num_queries or k.shape[2] != plan.num_keys:
         raise ValueError(
-            f"a stream's attention takes q [1, Hq, {plan.num_queries}, D], got {tuple(q.shape)}"
+            f"a stream's attention takes q [1, Hq, {plan.num_queries}, D] and k/v "
+            f"[1, Hkv, {plan.num_keys}, D], got {tuple(q.shape)} and {tuple(k.shape)}"
         )
     if not plan.pieces:  # nothing queried: a batch whose pairs score no token
         return q
     gqa = q.shape[1] != k.shape[1]
-    outputs = []
-    for piece in plan.pieces:
-        keys, values = (_ranges(x, piece.keys) for x in (k, v))
-        outputs.append(
-            F.scaled_dot_product_attention(
-                q[:, :, piece.queries],
-                keys,
-                values,
-                attn_mask=piece.mask,
-                is_causal=piece.mask is None,
-                enable_gqa=gqa,
-            )
+    sizes = [piece.queries.stop - piece.queries.start for piece in plan.pieces]
+    key_runs, value_runs = (_runs(x, plan.key_bounds) for x in (k, v))
+    outputs = [
+        F.scaled_dot_product_attention(
+            queries,
+            key_runs.join(piece.keys),
+            value_runs.join(piece.keys),
+            attn_mask=piece.mask,
+            is_causal=piece.mask is None,
+            enable_gqa=gqa,
         )
+        for piece, queries in zip(plan.pieces, q.split(sizes, dim=2), strict=True)
+    ]
     return torch.cat(outputs, dim=2)
 
 
-def _ranges(x: torch.Tensor, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    parts = [x[:, :, start:end] for start, end in ranges]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+@dataclass(frozen=True)
+class _Runs:
+    """A stream's keys or values [1, H, N, D] split at the plan's key bounds."""
+
+    parts: tuple[torch.Tensor, ...]
+    starts: dict[int, int]
+
+    def join(self, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """The stream's positions in `ranges`, concatenated in order."""
+        parts = [
+            self.parts[run]
+            for start, end in ranges
+            for run in range(self.starts[start], self.starts[end])
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def _runs(x: torch.Tensor, bounds: tuple[int, ...]) -> _Runs:
+    parts = x.split(np.diff(bounds).tolist(), dim=2)
+    return _Runs(parts, {edge: index for index, edge in enumerate(bounds)})
