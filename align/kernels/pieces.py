@@ -38,14 +38,18 @@ class Piece:
 
 @dataclass(frozen=True)
 class Pieces:
-    """The attention calls of one layer, whose queries tile its queried positions in order,
-    over a stream of `num_keys` keys cut at `key_bounds` into the runs the calls' key
-    ranges are made of."""
+    """The attention calls of one layer, whose queries tile its queried positions in order.
+    The stream's keys are cut at `key_bounds` into runs, and `key_runs` are the runs each
+    call's key ranges are made of, in order."""
 
     pieces: tuple[Piece, ...]
     num_queries: int
-    num_keys: int
     key_bounds: tuple[int, ...]
+    key_runs: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_keys(self) -> int:
+        return self.key_bounds[-1]
 
 
 @dataclass(frozen=True)
@@ -152,8 +156,14 @@ def _pieces(
             low, high = (int(i) for i in np.searchsorted(queried, [start, end]))
             if low < high:
                 pieces.append(_piece(queried, slice(low, high), (start, end), keys, rule, device))
-    bounds = {0, num_keys} | {edge for piece in pieces for span in piece.keys for edge in span}
-    return Pieces(tuple(pieces), len(queried), num_keys, tuple(sorted(bounds)))
+    edges = {0, num_keys} | {edge for piece in pieces for span in piece.keys for edge in span}
+    bounds = tuple(sorted(edges))
+    run_at = {edge: run for run, edge in enumerate(bounds)}
+    key_runs = tuple(
+        tuple(run for start, end in piece.keys for run in range(run_at[start], run_at[end]))
+        for piece in pieces
+    )
+    return Pieces(tuple(pieces), len(queried), bounds, key_runs)
 
 
 def _piece(
@@ -189,38 +199,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Pieces) -> t
         return q
     gqa = q.shape[1] != k.shape[1]
     sizes = [piece.queries.stop - piece.queries.start for piece in plan.pieces]
-    key_runs, value_runs = (_runs(x, plan.key_bounds) for x in (k, v))
+    key_sizes = np.diff(plan.key_bounds).tolist()
+    key_parts, value_parts = (x.split(key_sizes, dim=2) for x in (k, v))
     outputs = [
         F.scaled_dot_product_attention(
             queries,
-            key_runs.join(piece.keys),
-            value_runs.join(piece.keys),
+            _join(key_parts, runs),
+            _join(value_parts, runs),
             attn_mask=piece.mask,
             is_causal=piece.mask is None,
             enable_gqa=gqa,
         )
-        for piece, queries in zip(plan.pieces, q.split(sizes, dim=2), strict=True)
+        for piece, runs, queries in zip(
+            plan.pieces, plan.key_runs, q.split(sizes, dim=2), strict=True
+        )
     ]
     return torch.cat(outputs, dim=2)
 
 
-@dataclass(frozen=True)
-class _Runs:
-    """A stream's keys or values [1, H, N, D] split at the plan's key bounds."""
-
-    parts: tuple[torch.Tensor, ...]
-    starts: dict[int, int]
-
-    def join(self, ranges: tuple[tuple[int, int], ...]) -> torch.Tensor:
-        """The stream's positions in `ranges`, concatenated in order."""
-        parts = [
-            self.parts[run]
-            for start, end in ranges
-            for run in range(self.starts[start], self.starts[end])
-        ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-
-
-def _runs(x: torch.Tensor, bounds: tuple[int, ...]) -> _Runs:
-    parts = x.split(np.diff(bounds).tolist(), dim=2)
-    return _Runs(parts, {edge: index for index, edge in enumerate(bounds)})
+def _join(parts: tuple[torch.Tensor, ...], runs: tuple[int, ...]) -> torch.Tensor:
+    """The split stream's `runs`, concatenated in order."""
+    chosen = [parts[run] for run in runs]
+    return chosen[0] if len(chosen) == 1 else torch.cat(chosen, dim=2)
