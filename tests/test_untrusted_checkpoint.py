@@ -309,7 +309,9 @@ def test_header_that_is_not_json_refused(copy):
     data = path.read_bytes()
     (length,) = struct.unpack("<Q", data[:8])
     path.write_bytes(data[:8] + b"\xff" * length + data[8 + length :])
-    assert "header is not JSON" in str(refused(read_safetensors_header, path))
+    assert "expected a header of one JSON object, found no JSON" in str(
+        refused(read_safetensors_header, path)
+    )
 
 
 def test_header_json_not_an_object_refused(copy):
@@ -317,7 +319,7 @@ def test_header_json_not_an_object_refused(copy):
     data = path.read_bytes()
     (length,) = struct.unpack("<Q", data[:8])
     path.write_bytes(data[:8] + b"[1]".ljust(length) + data[8 + length :])
-    assert "header expected a JSON object, found list" in str(
+    assert "expected a header of one JSON object, found a JSON array" in str(
         refused(read_safetensors_header, path)
     )
 

@@ -25,13 +25,14 @@ from align.model.tokenizer_hash import CONFIG_FILE as TOKENIZER_CONFIG_FILE
 from align.utils.weights_hash import INDEX_FILE_NAME, SINGLE_FILE_NAME, read_weight_map
 
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 TOKENIZER_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
 # Present in many checkpoints, absent in others; listed and carried over when present.
 COMPANION_FILES = (
     SPECIAL_TOKENS_MAP_FILE,
     CHAT_TEMPLATE_FILE,
     "tokenizer.model",
-    "generation_config.json",
+    GENERATION_CONFIG_FILE,
 )
 # How a missing shard is named: by the index that lists it.
 SHARD_NAMED = f" (named by {INDEX_FILE_NAME})"
@@ -114,10 +115,7 @@ def _weight_files(root: Path) -> tuple[list[Path], list[str]]:
         return [single], []
     if not index.is_file():
         return [], [f"{SINGLE_FILE_NAME} (or {INDEX_FILE_NAME})"]
-    try:
-        weight_map = read_weight_map(index)
-    except (ValueError, AttributeError) as err:
-        raise NotACheckpoint(f"{index}: not a shard index ({err})") from err
+    weight_map = read_weight_map(index)  # a malformed index is refused (exit 3) naming it
     shards = [root / name for name in sorted(set(weight_map.values()))]
     present = [shard for shard in shards if shard.is_file()]
     absent = [f"{s.name}{SHARD_NAMED}" for s in shards if not s.is_file()]

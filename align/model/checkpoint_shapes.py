@@ -13,14 +13,16 @@ file, the config key and value, and the tensor's shape. Stdlib only.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from align.model.checkpoint_files import GENERATION_CONFIG_FILE
 from align.model.hf_config import MistralConfig, load_hf_config
+from align.utils.untrusted import CHECKPOINT_GATE, read_json_object
 from align.utils.weights_hash import (
+    INDEX_EXPECTED,
     INDEX_FILE_NAME,
     SINGLE_FILE_NAME,
     TensorLocation,
@@ -30,7 +32,7 @@ from align.utils.weights_hash import (
 )
 
 CONFIG_FILE = "config.json"
-GATE = "checkpoint"
+GENERATION_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Bytes per stored parameter a plan may assume: 16-bit (bfloat16, float16) or float32.
 PLAN_PARAMETER_BYTES = (2, 4)
 # Nine digits at most: a longer number names no layer, and int() of it stays cheap.
@@ -62,7 +64,8 @@ def verify_checkpoint(checkpoint_dir: str | Path) -> VerifiedCheckpoint:
     """config.json checked against the safetensors headers (every shard present) or, for a
     plan whose shards are absent, against the index's names and total_size."""
     root = Path(checkpoint_dir)
-    config = _read_config(root)
+    config = load_hf_config(root)
+    _check_generation_config(root / GENERATION_CONFIG_FILE, config)
     index = root / INDEX_FILE_NAME
     if _absent_shards(root):
         return _verify_plan(root, config, index)
@@ -74,7 +77,7 @@ def verify_checkpoint(checkpoint_dir: str | Path) -> VerifiedCheckpoint:
     total = _index_total_size(index) if index.is_file() else None
     if total is not None and total != stored:
         raise UntrustedFileRefused(
-            GATE,
+            CHECKPOINT_GATE,
             index,
             f"metadata.total_size expected {stored} (the bytes its shards' headers declare), "
             f"found {total}",
@@ -82,12 +85,25 @@ def verify_checkpoint(checkpoint_dir: str | Path) -> VerifiedCheckpoint:
     return VerifiedCheckpoint(config, stored)
 
 
-def _read_config(root: Path) -> MistralConfig:
-    """config.json parsed; a malformed one is refused as untrusted input, not a crash."""
-    try:
-        return load_hf_config(root)
-    except (ValueError, TypeError, RecursionError) as err:
-        raise UntrustedFileRefused(GATE, root / CONFIG_FILE, str(err)) from None
+def _check_generation_config(path: Path, config: MistralConfig) -> None:
+    """generation_config.json, which an export carries to every reader of the policy, is a
+    JSON object whose token ids are ids of this vocabulary."""
+    if not path.is_file():
+        return
+    fields = read_json_object(path, "a JSON object of generation settings")
+    for key in GENERATION_TOKEN_KEYS:
+        value = fields.get(key)
+        ids = value if isinstance(value, list) else [value]
+        if value is not None and not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < config.vocab_size
+            for i in ids
+        ):
+            raise UntrustedFileRefused(
+                CHECKPOINT_GATE,
+                path,
+                f"{key} expected a token id or a list of token ids below vocab_size="
+                f"{config.vocab_size}, found {value!r:.100}",
+            )
 
 
 def _absent_shards(root: Path) -> list[str]:
@@ -114,7 +130,7 @@ def _verify_plan(root: Path, config: MistralConfig, index: Path) -> VerifiedChec
     allowed = [parameters * nbytes for nbytes in PLAN_PARAMETER_BYTES]
     if total not in allowed:
         raise UntrustedFileRefused(
-            GATE,
+            CHECKPOINT_GATE,
             index,
             f"metadata.total_size expected one of {allowed} (the {parameters} parameters "
             f"{root / CONFIG_FILE} implies at {PLAN_PARAMETER_BYTES} bytes each, since "
@@ -125,10 +141,10 @@ def _verify_plan(root: Path, config: MistralConfig, index: Path) -> VerifiedChec
 
 def _index_total_size(index: Path) -> int | None:
     """The index's metadata.total_size, or None where it records none."""
-    metadata = json.loads(index.read_text(encoding="utf-8")).get("metadata") or {}
+    metadata = read_json_object(index, INDEX_EXPECTED).get("metadata") or {}
     if not isinstance(metadata, dict):
         raise UntrustedFileRefused(
-            GATE, index, f"metadata expected an object, found {type(metadata).__name__}"
+            CHECKPOINT_GATE, index, f"metadata expected an object, found {type(metadata).__name__}"
         )
     total = metadata.get("total_size")
     # Some writers record the count as a float; an integral one is the same count.
@@ -136,7 +152,9 @@ def _index_total_size(index: Path) -> int | None:
         total = int(total)
     if total is not None and not (isinstance(total, int) and not isinstance(total, bool)):
         raise UntrustedFileRefused(
-            GATE, index, f"metadata.total_size expected a byte count, found {total!r:.100}"
+            CHECKPOINT_GATE,
+            index,
+            f"metadata.total_size expected a byte count, found {total!r:.100}",
         )
     return total
 
@@ -206,7 +224,7 @@ def _names_refused(
     config_path: Path, claim: str, where: Path | str, missing: list[str], unexpected: list[str]
 ) -> UntrustedFileRefused:
     return UntrustedFileRefused(
-        GATE,
+        CHECKPOINT_GATE,
         config_path,
         f"{claim} disagrees with the weights in {where}: missing tensors {missing[:8]}, "
         f"unexpected tensors {unexpected[:8]}",
@@ -224,7 +242,7 @@ def _check_shapes(
         found, expected = tensors[name].shape, tuple(size for size, _ in dims)
         if found != expected:
             raise ShapeRefused(
-                GATE,
+                CHECKPOINT_GATE,
                 config_path,
                 f"{_disagreeing_key(dims, found)} disagrees with {name} of shape "
                 f"{list(found)} in {tensors[name].path} (config.json implies {list(expected)})",

@@ -8,12 +8,12 @@ means the same here as it does there.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from align.constants import DTYPES
+from align.utils.untrusted import CHECKPOINT_GATE, UntrustedFileRefused, read_json_object
 
 # Keys HF writes for its own bookkeeping or output plumbing; they do not change the forward pass.
 _BOOKKEEPING_KEYS = frozenset(
@@ -125,12 +125,16 @@ class MistralConfig:
 
 
 def load_hf_config(checkpoint_dir: str | Path) -> MistralConfig:
-    """Read `config.json` from a checkpoint directory."""
+    """Read `config.json` from a checkpoint directory; a malformed one is refused (exit 3)
+    naming the file, a missing one is a FileNotFoundError."""
     path = Path(checkpoint_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json at {path}")
-    with path.open(encoding="utf-8") as handle:
-        return MistralConfig.from_dict(json.load(handle))
+    fields = read_json_object(path, "a JSON object of a Mistral model's hyper-parameters")
+    try:
+        return MistralConfig.from_dict(fields)
+    except (ValueError, TypeError) as err:
+        raise UntrustedFileRefused(CHECKPOINT_GATE, path, str(err)) from None
 
 
 def _check_architecture(config: dict[str, Any]) -> None:

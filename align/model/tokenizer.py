@@ -34,6 +34,13 @@ from align.model.tokenizer_hash import (  # noqa: F401  (re-exported)
     tokenizer_hash,
 )
 from align.receipts import atomic_path
+from align.utils.untrusted import (
+    CHECKPOINT_GATE,
+    UntrustedFileRefused,
+    parse_json_object,
+    read_json_object,
+    read_untrusted_text,
+)
 
 UNK_TOKEN = "<unk>"
 BOS_TOKEN = "<s>"
@@ -46,6 +53,7 @@ SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 # AlignTokenizer.pad_source: the config's own pad token, or eos for a tokenizer without one.
 PAD_FROM_CONFIG = "pad_token"
 PAD_FROM_EOS = "eos_token (the tokenizer names no pad_token)"
+TOKENIZER_EXPECTED = "a JSON object that the tokenizers library reads as a Tokenizer"
 
 
 def train_bpe_tokenizer(
@@ -210,12 +218,32 @@ def special_token_content(value: Any) -> str | None:
 
 
 def load_tokenizer(checkpoint_dir: str | os.PathLike) -> AlignTokenizer:
-    """Load the tokenizer of a checkpoint directory (ours or an HF one)."""
+    """Load the tokenizer of a checkpoint directory (ours or an HF one).
+
+    A missing tokenizer.json or tokenizer_config.json is a FileNotFoundError; any of the
+    files that is there but malformed is refused (exit 3) naming it.
+    """
     directory = Path(checkpoint_dir)
     tokenizer_path = _existing_file(directory / TOKENIZER_FILE)
     config = _tokenizer_config(directory)
-    backend = Tokenizer.from_file(str(tokenizer_path))
-    return AlignTokenizer(backend, config, chat_template=_chat_template(directory, config))
+    backend = _backend(tokenizer_path)
+    try:
+        return AlignTokenizer(backend, config, chat_template=_chat_template(directory, config))
+    except ValueError as err:
+        raise UntrustedFileRefused(CHECKPOINT_GATE, directory / CONFIG_FILE, str(err)) from None
+
+
+def _backend(path: Path) -> Tokenizer:
+    """tokenizer.json as a `tokenizers.Tokenizer`; JSON it cannot be is refused first, in
+    Python, so the refusal reads the same as every other file's."""
+    text = read_untrusted_text(path, TOKENIZER_EXPECTED)
+    parse_json_object(text, path, TOKENIZER_EXPECTED)
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as err:  # tokenizers raises a bare Exception for every malformed file
+        raise UntrustedFileRefused(
+            CHECKPOINT_GATE, path, f"expected {TOKENIZER_EXPECTED}, found {err}"
+        ) from None
 
 
 def _tokenizer_config(directory: Path) -> dict[str, Any]:
@@ -225,22 +253,39 @@ def _tokenizer_config(directory: Path) -> dict[str, Any]:
     honour is not worth guessing.
     """
     config_path = _existing_file(directory / CONFIG_FILE)
-    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config = read_json_object(config_path, "a JSON object of tokenizer settings")
+    _check_special_tokens(config, config_path)
     map_path = directory / SPECIAL_TOKENS_MAP_FILE
     if not map_path.is_file():
         return config
-    special = json.loads(map_path.read_text(encoding="utf-8"))
+    special = read_json_object(map_path, "a JSON object of special tokens")
+    _check_special_tokens(special, map_path)
     for key in SPECIAL_TOKEN_KEYS:
         in_config = special_token_content(config.get(key))
         in_map = special_token_content(special.get(key))
         if in_map and not in_config:
             config[key] = in_map
         elif in_map and in_config != in_map:
-            raise ValueError(
-                f"{directory}: {key} is {in_config!r} in {CONFIG_FILE} but {in_map!r} in "
-                f"{SPECIAL_TOKENS_MAP_FILE}"
+            raise UntrustedFileRefused(
+                CHECKPOINT_GATE,
+                map_path,
+                f"{key} is {in_config!r} in {CONFIG_FILE} but {in_map!r} in "
+                f"{SPECIAL_TOKENS_MAP_FILE}",
             )
     return config
+
+
+def _check_special_tokens(fields: Mapping[str, Any], path: Path) -> None:
+    """Each special token is absent, null, a string, or HF's object with a string content."""
+    for key in SPECIAL_TOKEN_KEYS:
+        value = fields.get(key)
+        content = value.get("content") if isinstance(value, Mapping) else value
+        if content is not None and not isinstance(content, str):
+            raise UntrustedFileRefused(
+                CHECKPOINT_GATE,
+                path,
+                f"{key} expected a string or an object with a string content, found {value!r:.100}",
+            )
 
 
 def _existing_file(path: Path) -> Path:
@@ -253,9 +298,18 @@ def _chat_template(directory: Path, config: Mapping[str, Any]) -> str | None:
     # Newer transformers save the template as its own file, which wins over the config key.
     template_file = directory / CHAT_TEMPLATE_FILE
     if template_file.is_file():
-        return template_file.read_text(encoding="utf-8")
+        return read_untrusted_text(template_file, "a Jinja chat template")
     template = config.get("chat_template")
-    if isinstance(template, list):
-        named = {entry.get("name"): entry.get("template") for entry in template}
+    if isinstance(template, list) and all(
+        isinstance(entry, Mapping) and isinstance(entry.get("template"), str) for entry in template
+    ):
+        named = {entry.get("name"): entry["template"] for entry in template}
         return named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise UntrustedFileRefused(
+            CHECKPOINT_GATE,
+            directory / CONFIG_FILE,
+            f"chat_template expected a string or a list of {{name, template}} objects, found "
+            f"{template!r:.100}",
+        )
     return template

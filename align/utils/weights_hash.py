@@ -26,12 +26,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from align.exit_codes import GateRefused
+from align.utils.untrusted import (
+    CHECKPOINT_GATE,
+    UntrustedFileRefused,
+    parse_json_object,
+    read_json_object,
+)
 
 SINGLE_FILE_NAME = "model.safetensors"
 INDEX_FILE_NAME = "model.safetensors.index.json"
 HASH_VERSION = b"align-weights-sha256-v1\n"
 CHUNK_BYTES = 1 << 20
+INDEX_EXPECTED = "a JSON object whose weight_map maps tensor names to shard files"
 # The safetensors library's own ceiling on a header.
 _MAX_HEADER_BYTES = 100 << 20
 # Bytes per element of every safetensors dtype of whole bytes.
@@ -53,15 +59,6 @@ _DTYPE_BYTES = {
     "U64": 8,
     "F64": 8,
 }
-
-
-class UntrustedFileRefused(GateRefused, ValueError):
-    """A checkpoint's or cache's file is malformed or disagrees with what describes it:
-    refused (exit 3) naming the file. Also a ValueError, as every malformed file was before."""
-
-    def __init__(self, gate: str, path: str | Path, message: str):
-        super().__init__(gate, f"{path}: {message}")
-        self.path = Path(path)
 
 
 def _refuse(path: Path, message: str) -> UntrustedFileRefused:
@@ -146,12 +143,7 @@ def _read_header_object(path: Path) -> tuple[dict[str, Any], int, int]:
                 f"found {header_bytes}",
             )
         raw = handle.read(header_bytes)
-    try:
-        header = json.loads(raw)
-    except (ValueError, RecursionError) as err:  # bad UTF-8 and bad JSON are ValueErrors
-        raise _refuse(path, f"header is not JSON ({type(err).__name__}: {err})") from None
-    if not isinstance(header, dict):
-        raise _refuse(path, f"header expected a JSON object, found {type(header).__name__}")
+    header = parse_json_object(raw, path, "a header of one JSON object", gate="safetensors")
     return header, 8 + header_bytes, file_size
 
 
@@ -279,16 +271,21 @@ def _feed_bytes(update: Callable[[bytes], None], handle: BinaryIO, begin: int, e
 
 def read_weight_map(index: Path) -> dict[str, str]:
     """The index's tensor name -> shard file map; shards must lie beside the index."""
-    with index.open(encoding="utf-8") as handle:
-        content = json.load(handle)
-    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    content = read_json_object(index, INDEX_EXPECTED)
+    weight_map = content.get("weight_map")
     if not isinstance(weight_map, dict) or not all(
         isinstance(file_name, str) for file_name in weight_map.values()
     ):
-        raise ValueError(f"{index} has no weight_map of tensor name -> shard file")
+        raise UntrustedFileRefused(
+            CHECKPOINT_GATE, index, f"expected {INDEX_EXPECTED}, found no such weight_map"
+        )
     for file_name in set(weight_map.values()):
         if os.path.basename(file_name) != file_name:
-            raise ValueError(f"{index} names shard {file_name!r} outside the checkpoint directory")
+            raise UntrustedFileRefused(
+                CHECKPOINT_GATE,
+                index,
+                f"names shard {file_name!r} outside the checkpoint directory",
+            )
     return weight_map
 
 
