@@ -1,5 +1,6 @@
-"""The 8-bit AdamW: trains FSDP2 shards, resumes exactly, is refused where it cannot run,
-and is what the RSS projection counts."""
+"""The optimizers: both decay what transformers' Trainer decays, an FSDP model is refused
+unless the optimizer gets its sharded parameters; the 8-bit AdamW trains FSDP2 shards,
+resumes exactly, is refused where it cannot run, and is what the RSS projection counts."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from tiny_models import tiny_mistral_config
 
 from align.config import ArmConfig, OptimizerConfig
-from align.exit_codes import USAGE, ConfigError
+from align.exit_codes import INTERNAL, USAGE, ConfigError
 from align.losses.fused import shift_labels
 from align.model.checkpoint import save_hf_checkpoint
 from align.model.mistral import NmoMistralForCausalLM
@@ -23,7 +25,12 @@ from align.train import adamw8bit
 from align.train.checkpointing import CheckpointManager
 from align.train.fsdp import apply_fsdp
 from align.train.memory import MIB, job_shape, optimizer_state_bytes, projected_job_rss
-from align.train.optim import OPTIMIZERS, build_optimizer
+from align.train.optim import (
+    OPTIMIZERS,
+    UnshardedParameters,
+    build_optimizer,
+    param_groups_record,
+)
 from align.utils.dist import destroy_distributed, init_distributed
 
 torch.set_num_threads(1)
@@ -71,6 +78,55 @@ def train(model, optimizer, steps: int) -> list[float]:
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class WithBiasesAndLayerNorm(torch.nn.Module):
+    """The policy beside a biased projection and an nn.LayerNorm named without "norm",
+    so every rule of transformers' decay test has a parameter to decide."""
+
+    def __init__(self):
+        super().__init__()
+        self.policy = NmoMistralForCausalLM(CONFIG)
+        self.proj = torch.nn.Linear(64, 64)
+        self.ln_f = torch.nn.LayerNorm(64)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_weight_decay_skips_norm_weights_and_biases_as_transformers_does(name):
+    model = WithBiasesAndLayerNorm()
+    optimizer = build_optimizer(model, OptimizerConfig(name=name, weight_decay=0.1))
+    # The unbound method reads nothing off the trainer: its rule, applied to this model.
+    expected = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    names = [n for n, _ in model.named_parameters()]
+    decayed, kept = param_groups_record(optimizer)
+    assert decayed == {"weight_decay": 0.1, "params": [n for n in names if n in expected]}
+    assert kept == {"weight_decay": 0.0, "params": [n for n in names if n not in expected]}
+    assert {"proj.bias", "ln_f.weight", "ln_f.bias", "policy.norm.weight"} <= set(kept["params"])
+    assert "policy.layers.0.attn_norm.weight" in kept["params"]
+    assert {"policy.embed.weight", "policy.lm_head.weight", "proj.weight"} <= expected
+    # The groups are the optimizer's own: each holds the tensors its names say.
+    by_name = dict(model.named_parameters())
+    for group, record in zip(optimizer.param_groups, (decayed, kept), strict=True):
+        assert [id(p) for p in group["params"]] == [id(by_name[n]) for n in record["params"]]
+
+
+def test_an_optimizer_built_after_a_no_grad_forward_is_refused_naming_the_root(info):
+    """FSDP2 keeps the root's gathered parameters after a forward that no backward
+    follows: an optimizer built then would hold plain copies of embed, norm and lm_head
+    and never train them."""
+    model = sharded_model()
+    with torch.no_grad():
+        nll(model)
+    with pytest.raises(UnshardedParameters) as err:
+        build_optimizer(model, OptimizerConfig(name="adamw"))
+    assert err.value.exit_code == INTERNAL
+    assert "3 parameter(s)" in str(err.value)
+    assert "embed.weight, norm.weight, lm_head.weight" in str(err.value)
+    # Resharded, the same model gives the optimizer every parameter as its shard.
+    model.reshard()
+    optimizer = build_optimizer(model, OptimizerConfig(name="adamw"))
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    assert len(held) == len(list(model.parameters())) == 3 + 9 * CONFIG.num_hidden_layers
 
 
 def test_adamw8bit_trains_fsdp_shards_with_8bit_moments(info):

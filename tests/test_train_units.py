@@ -101,14 +101,13 @@ def test_build_optimizer_honours_the_config_and_skips_frozen_parameters():
     cfg = OptimizerConfig(lr=3e-4, betas=[0.8, 0.9], eps=1e-6, weight_decay=0.01)
     optimizer = build_optimizer(model, cfg)
     assert isinstance(optimizer, torch.optim.AdamW)
-    (group,) = optimizer.param_groups
-    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (
-        3e-4,
-        (0.8, 0.9),
-        1e-6,
-        0.01,
-    )
-    assert {id(p) for p in group["params"]} == {id(p) for p in model[1].parameters()}
+    decayed, kept = optimizer.param_groups
+    for group in (decayed, kept):
+        assert (group["lr"], group["betas"], group["eps"]) == (3e-4, (0.8, 0.9), 1e-6)
+    # The bias is not decayed, as transformers' Trainer decays no bias.
+    assert (decayed["weight_decay"], kept["weight_decay"]) == (0.01, 0.0)
+    assert [id(p) for p in decayed["params"]] == [id(model[1].weight)]
+    assert [id(p) for p in kept["params"]] == [id(model[1].bias)]
 
 
 # --- batch order -------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -152,27 +153,20 @@ def _optimizer_class():
 
 
 def build_adamw8bit(
-    params: list[torch.Tensor],
+    groups: list[dict[str, Any]],
     lr: float,
     betas: tuple[float, float],
     eps: float,
-    weight_decay: float,
 ) -> torch.optim.Optimizer:
-    """The optimizer for `params`, after checking that bitsandbytes runs on their device."""
-    devices = {_local(p).device for p in params}
+    """The optimizer for param `groups` ((name, tensor) params and each group's
+    weight_decay), after checking that bitsandbytes runs on their device."""
+    devices = {_local(p).device for group in groups for _, p in group["params"]}
     if len(devices) != 1:
         raise ConfigError(
             f"optimizer.name {NAME!r} needs every parameter on one device, found {sorted(map(str, devices))}"
         )
     check_device(devices.pop())
-    return _optimizer_class()(
-        params,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        min_8bit_size=MIN_8BIT_SIZE,
-    )
+    return _optimizer_class()(groups, lr=lr, betas=betas, eps=eps, min_8bit_size=MIN_8BIT_SIZE)
 
 
 def check_device(device: torch.device) -> None:

@@ -27,6 +27,7 @@ from align.exit_codes import AlignError, ResumableStop
 from align.log import stage_logger
 from align.paths import metrics_in, stop_marker_in
 from align.train.checkpointing import CheckpointManager
+from align.train.optim import param_groups_record
 from align.train.progress import Progress
 from align.train.stop_marker import StopMarker
 from align.utils.dist import DistInfo, all_reduce_sum, any_rank, barrier
@@ -323,6 +324,11 @@ class Trainer:
             "resumed_after": self.resumed_after,
             "checkpoint_save_s": [round(s, 3) for s in self.checkpoints.save_s],
             "checkpoint_load_s": [round(s, 3) for s in self.checkpoints.load_s],
+            # Read off the live optimizer: which parameters it decays, and by how much.
+            "optimizer": {
+                "class": type(self.optimizer).__name__,
+                "param_groups": param_groups_record(self.optimizer),
+            },
             "final": self.last_metrics,
         }
 
