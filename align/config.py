@@ -288,9 +288,11 @@ class OptimizerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     # Added to the second moment's root, so a zero gradient does not divide by zero.
     eps: float = 1e-8
-    # Optimizer steps of linear warmup to lr; 0: start at lr.
+    # Optimizer steps of linear warmup to lr: step s (from 0) runs at lr x (s + 1) / warmup_steps,
+    # so the first step is not at 0 as in transformers' schedulers; 0: start at lr.
     warmup_steps: int = 0
-    # The cosine schedule ends at this share of lr.
+    # The cosine after warmup ends at this share of lr (transformers' cosine_with_min_lr end,
+    # which no transformers scheduler pairs with the warmup above).
     min_lr_ratio: float = 0.0
     # Gradients are scaled down to this global norm before each step.
     grad_clip: float = 1.0
