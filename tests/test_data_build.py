@@ -837,6 +837,7 @@ def test_every_active_filter_is_reported_even_when_it_removes_nothing():
         "empty_response",
         "chosen_equals_rejected",
         "duplicate_pair",
+        "row_over_length",
         "prompt_over_budget",
     }
     counts = FilterCounts(active_reasons(steppairs))

@@ -1,10 +1,12 @@
 """The build-manifest stage's work: read, filter, tokenize, split and shard each arm.
 
 `prepare_arm` streams an arm's records in batches into per-split numpy token
-buffers (no Python token lists beyond one batch) and refuses bad input before
-anything is written; `write_arms` then writes every arm's shards and receipts and
-the manifest, removing them all if any step fails, so a failed build leaves no
-shard and no manifest behind.
+buffers (no Python token lists beyond one batch; a batch ends at `TOKENIZE_BATCH` rows
+or `TOKENIZE_BATCH_CHARS` characters, so its memory is bounded however long the rows),
+removes rows over the row limit of align.data.bounds before they are tokenized, and
+refuses bad input before anything is written; `write_arms` then writes every arm's
+shards and receipts and the manifest, removing them all if any step fails, so a failed
+build leaves no shard and no manifest behind.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ from typing import Any
 from tqdm import tqdm
 
 from align.config import ArmConfig, pinned_data_config
-from align.data.filters import FilterCounts, Tally, active_reasons, classify, prompt_over_budget
+from align.data.bounds import RowBounds
+from align.data.filters import (
+    FilterCounts,
+    Tally,
+    active_reasons,
+    classify,
+    pair_chars,
+    prompt_over_budget,
+)
 from align.data.formats import PreferenceRecord, expand_files, iter_records
 from align.data.shards import PairShardBuilder
 from align.data.split import pair_id, split_of
@@ -28,12 +38,34 @@ from align.paths import SPLITS, ArmPaths, RunPaths
 from align.receipts import DESCOPED, PASSED, hash_file, write_json_atomic
 
 TOKENIZE_BATCH = 1024
+# The tokenizer takes about 16 bytes per character it encodes: this keeps a batch near 256 MiB.
+TOKENIZE_BATCH_CHARS = 1 << 24
 # Compared by the manifest gate with the counts, not as part of what shapes the shards.
 
 
 def batched(items: Iterable, size: int) -> Iterator[list]:
     it = iter(items)
     while chunk := list(islice(it, size)):
+        yield chunk
+
+
+def record_batches(
+    records: Iterable[tuple[PreferenceRecord, str | None]],
+    rows: int = TOKENIZE_BATCH,
+    chars: int = TOKENIZE_BATCH_CHARS,
+) -> Iterator[list[tuple[PreferenceRecord, str | None]]]:
+    """Classified records in order, in batches of at most `rows` rows and, past their
+    first row, `chars` characters of text."""
+    chunk: list[tuple[PreferenceRecord, str | None]] = []
+    held = 0
+    for item in records:
+        size = item[0].text_chars()
+        if chunk and (len(chunk) == rows or held + size > chars):
+            yield chunk
+            chunk, held = [], 0
+        chunk.append(item)
+        held += size
+    if chunk:
         yield chunk
 
 
@@ -50,6 +82,7 @@ class ArmBuild:
     files: list[Path]
     prompt_rendering: str
     counts: FilterCounts
+    bounds: RowBounds
     splits: dict[str, PairShardBuilder] = field(
         default_factory=lambda: {split: PairShardBuilder() for split in SPLITS}
     )
@@ -70,6 +103,20 @@ class ArmBuild:
             else:
                 self.counts.add(reason, record.source, split)
         return candidates
+
+    def within_limit(
+        self, candidates: list[tuple[PreferenceRecord, str]], renderer: PromptRenderer
+    ) -> tuple[list[tuple[PreferenceRecord, str]], list[str]]:
+        """Count the rows over the row limit; return the others with their rendered prompts."""
+        kept, texts = [], []
+        for record, split in candidates:
+            text = renderer.text(record)
+            if self.bounds.over(pair_chars(text, record)):
+                self.counts.add("row_over_length", record.source, split)
+            else:
+                kept.append((record, split))
+                texts.append(text)
+        return kept, texts
 
     def add_tokenized(self, record: PreferenceRecord, split: str, pair: TokenizedPair) -> None:
         """Keep the pair in its split, unless its prompt alone is over the token budget."""
@@ -97,13 +144,14 @@ def prepare_arm(cfg: ArmConfig, tokenizer, renderer: PromptRenderer | None = Non
     renderer = renderer or PromptRenderer(
         tokenizer, merge_system_into_user=data.merge_system_into_user
     )
-    build = ArmBuild(cfg, files, renderer.kind, FilterCounts(active_reasons(data)))
-    records = classify(iter_records(files, data.format), data.filters)
+    bounds = RowBounds.of(tokenizer, data.seq_len)
+    build = ArmBuild(cfg, files, renderer.kind, FilterCounts(active_reasons(data)), bounds)
+    records = classify(iter_records(files, data.format, bounds), data.filters)
     with progress(f"build_manifest {cfg.arm}") as bar:
-        for chunk in batched(records, TOKENIZE_BATCH):
-            candidates = build.count_removed(chunk)
+        for chunk in record_batches(records):
+            candidates, texts = build.within_limit(build.count_removed(chunk), renderer)
             kept = [record for record, _ in candidates]
-            tokenized = tokenize_pairs(kept, tokenizer, data.seq_len, renderer)
+            tokenized = tokenize_pairs(kept, tokenizer, data.seq_len, renderer, texts)
             for (record, split), pair in zip(candidates, tokenized, strict=True):
                 build.add_tokenized(record, split, pair)
             bar.update(len(chunk))

@@ -5,7 +5,13 @@ per source file and per split, and each level reconciles
 read = kept + sum(removed by reason). The filters declared in `data.filters`
 (argilla's status, chosen score and GSM8K overlap) refuse a row that lacks the
 column they read; the universal ones (empty response, chosen identical to
-rejected, exact duplicate pair, prompt over the token budget) apply to every arm.
+rejected, exact duplicate pair, row over the length limit) apply to every arm, and the
+prompt's token budget to every arm that sets `data.max_prompt_tokens`.
+
+`row_over_length` removes, before tokenization, a pair whose rendered prompt and longer
+response hold more characters than the row limit of align.data.bounds: it has more than
+16 x seq_len tokens, so the build could keep only a fragment of it, and tokenizing it
+whole could exhaust memory.
 """
 
 from __future__ import annotations
@@ -25,9 +31,15 @@ REASONS = (
     "empty_response",
     "chosen_equals_rejected",
     "duplicate_pair",
+    "row_over_length",
     "prompt_over_budget",
 )
-UNIVERSAL_REASONS = ("empty_response", "chosen_equals_rejected", "duplicate_pair")
+UNIVERSAL_REASONS = (
+    "empty_response",
+    "chosen_equals_rejected",
+    "duplicate_pair",
+    "row_over_length",
+)
 
 
 def active_reasons(data: DataConfig) -> tuple[str, ...]:
@@ -66,6 +78,11 @@ def rejection_reason(record: PreferenceRecord, cfg: FilterConfig) -> str | None:
     if record.chosen == record.rejected:
         return "chosen_equals_rejected"
     return None
+
+
+def pair_chars(prompt_text: str, record: PreferenceRecord) -> int:
+    """Characters of the longest sequence a pair makes: its rendered prompt and longer response."""
+    return len(prompt_text) + max(len(record.chosen), len(record.rejected))
 
 
 def prompt_over_budget(prompt_tokens: int, max_prompt_tokens: int | None) -> bool:

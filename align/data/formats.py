@@ -13,6 +13,12 @@ Files are JSONL or Parquet, local paths or globs. Any malformed row ends the bui
 with exit 4 and a message naming the file, the row (line number for JSONL), what
 was expected and what was found. A NaN or infinite number (JSON's NaN / Infinity
 literals, or a Parquet float) is malformed too: no filter may read it as a value.
+
+Memory stays bounded whatever the file holds (align.data.bounds): a JSONL line is read
+with a length cap, and one over `RowBounds.line_bytes` is refused without being held; a
+Parquet row group is checked in the file's metadata before it is read, and refused when
+a column's uncompressed data could not be that many bytes per row, or the group would
+take more than `PARQUET_ROW_GROUP_BYTES`.
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from align.data.bounds import PARQUET_ROW_GROUP_BYTES, UNTOKENIZED, RowBounds
 from align.exit_codes import BadInputData
 
 Message = tuple[str, str]
 PARQUET_BATCH_ROWS = 4096
+# The piece a refused line is measured in, so that its length is reported, never held.
+SCAN_BYTES = 1 << 20
 
 
 def location(source: str, row: int) -> str:
@@ -61,6 +70,11 @@ class PreferenceRecord:
 
     def where(self) -> str:
         return location(self.source, self.row)
+
+    def text_chars(self) -> int:
+        """Characters of every text the record holds, which is what it costs to keep it."""
+        texts = (self.prompt, self.chosen, self.rejected, self.response_prefix)
+        return sum(map(len, texts)) + sum(len(content) for _, content in self.messages)
 
 
 @dataclass(frozen=True)
@@ -128,12 +142,12 @@ def expand_files(patterns: list[str], base: Path | None = None) -> list[Path]:
     return files
 
 
-def iter_raw_rows(path: Path) -> Iterator[RawRow]:
-    """Rows of one JSONL or Parquet file, numbered from 1."""
+def iter_raw_rows(path: Path, bounds: RowBounds = UNTOKENIZED) -> Iterator[RawRow]:
+    """Rows of one JSONL or Parquet file, numbered from 1, none held beyond `bounds`."""
     if path.suffix == ".jsonl":
-        yield from _iter_jsonl(path)
+        yield from _iter_jsonl(path, bounds)
     elif path.suffix == ".parquet":
-        yield from _iter_parquet(path)
+        yield from _iter_parquet(path, bounds)
     else:
         raise BadInputData(
             f"{path}: unsupported file type {path.suffix!r} (expected .jsonl or .parquet)"
@@ -147,10 +161,20 @@ def _open_binary(path: Path):
         raise BadInputData(f"{path}: cannot be read ({err.strerror})") from err
 
 
-def _iter_jsonl(path: Path) -> Iterator[RawRow]:
+def _iter_jsonl(path: Path, bounds: RowBounds) -> Iterator[RawRow]:
     empty = True
+    cap = bounds.line_bytes
     with _open_binary(path) as fh:
-        for line_no, raw in enumerate(fh, start=1):
+        line_no = 0
+        # One byte over the cap tells a line over it from one that just fits.
+        while raw := fh.readline(cap + 1):
+            line_no += 1
+            if len(raw) > cap and not raw.endswith(b"\n"):
+                found = len(raw) + _rest_of_line(fh)
+                raise BadInputData(
+                    f"{path} line {line_no}: expected at most {cap} bytes per line "
+                    f"({bounds.line_basis}), found {found} bytes; is a newline missing?"
+                )
             values = _parse_json_line(path, line_no, raw)
             if values is None:
                 continue
@@ -158,6 +182,16 @@ def _iter_jsonl(path: Path) -> Iterator[RawRow]:
             yield RawRow(str(path), line_no, values)
     if empty:
         raise BadInputData(f"{path}: empty file (expected one JSON object per line)")
+
+
+def _rest_of_line(fh) -> int:
+    """Bytes up to the end of the current line (its newline excluded), read piece by piece."""
+    rest = 0
+    while piece := fh.readline(SCAN_BYTES):
+        if piece.endswith(b"\n"):
+            return rest + len(piece) - 1
+        rest += len(piece)
+    return rest
 
 
 def _parse_json_line(path: Path, line_no: int, raw: bytes) -> dict[str, Any] | None:
@@ -183,20 +217,44 @@ def _parse_json_line(path: Path, line_no: int, raw: bytes) -> dict[str, Any] | N
     return values
 
 
-def _iter_parquet(path: Path) -> Iterator[RawRow]:
+def _iter_parquet(path: Path, bounds: RowBounds) -> Iterator[RawRow]:
     import pyarrow.parquet as pq
 
     try:
         parquet = pq.ParquetFile(path)
     except Exception as err:
         raise BadInputData(f"{path}: not a readable parquet file ({err})") from err
-    if parquet.metadata.num_rows == 0:
+    metadata = parquet.metadata
+    if metadata.num_rows == 0:
         raise BadInputData(f"{path}: empty file (parquet with 0 rows)")
     row_no = 0
-    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
-        for values in batch.to_pylist():
-            row_no += 1
-            yield RawRow(str(path), row_no, values)
+    for group in range(metadata.num_row_groups):
+        _check_row_group(path, metadata.row_group(group), group, row_no + 1, bounds)
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[group]):
+            for values in batch.to_pylist():
+                row_no += 1
+                yield RawRow(str(path), row_no, values)
+
+
+def _check_row_group(path: Path, meta, group: int, first_row: int, bounds: RowBounds) -> None:
+    """Refuse a row group, before it is read, that a reader could not hold within `bounds`."""
+    rows = meta.num_rows
+    where = f"{path} rows {first_row}-{first_row + rows - 1} (row group {group})"
+    for i in range(meta.num_columns):
+        column = meta.column(i)
+        size = column.total_uncompressed_size
+        # More than rows x line_bytes in one column: some row of the group is over the bound.
+        if size > rows * bounds.line_bytes:
+            raise BadInputData(
+                f"{where}: column {column.path_in_schema!r} expected at most {bounds.line_bytes} "
+                f"bytes per row ({bounds.line_basis}), found {size} bytes in {rows} rows"
+            )
+    if meta.total_byte_size > PARQUET_ROW_GROUP_BYTES:
+        raise BadInputData(
+            f"{where}: expected at most {PARQUET_ROW_GROUP_BYTES} bytes of uncompressed data "
+            f"per row group, found {meta.total_byte_size}; write the file with smaller row "
+            "groups (pyarrow.parquet.write_table(..., row_group_size=N))"
+        )
 
 
 def _text(row: RawRow, column: str) -> str:
@@ -313,11 +371,13 @@ READERS: dict[str, Callable[[RawRow], PreferenceRecord]] = {
 }
 
 
-def iter_records(files: list[Path], fmt: str) -> Iterator[PreferenceRecord]:
+def iter_records(
+    files: list[Path], fmt: str, bounds: RowBounds = UNTOKENIZED
+) -> Iterator[PreferenceRecord]:
     """Every pair of `files` in the named format, in file then row order."""
     if fmt not in READERS:
         raise BadInputData(f"unknown data format {fmt!r} (expected one of {', '.join(READERS)})")
     to_record = READERS[fmt]
     for path in files:
-        for row in iter_raw_rows(path):
+        for row in iter_raw_rows(path, bounds):
             yield to_record(row)

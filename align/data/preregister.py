@@ -40,6 +40,8 @@ class ArmCounts:
     splits: dict[str, int]
     descoped: str | None
     sources: dict[str, str]
+    # The row limit and line bound the build applied, as one line (align.data.bounds).
+    bounds: str = ""
 
     def expected(self, cfg: ArmConfig) -> dict[str, int | None]:
         """The counts the pre-registration fixes now, by split."""
@@ -58,6 +60,7 @@ def count_arm(cfg: ArmConfig, tokenizer) -> ArmCounts:
         splits={split: len(build.splits[split]) for split in SPLITS},
         descoped=descoped_reason(build),
         sources={str(path): hash_file(path) for path in build.files},
+        bounds=build.bounds.describe(),
     )
 
 
@@ -70,6 +73,8 @@ def format_counts(counts: ArmCounts, cfg: ArmConfig) -> str:
         *(f"    {reason:<24}{n:>7}" for reason, n in counts.removed.items()),
         *(f"  {split:<9} {counts.splits[split]:>9}" for split in SPLITS),
     ]
+    if counts.bounds:
+        lines.append(f"  {counts.bounds}")
     if counts.descoped:
         lines.append(f"  DESCOPED: {counts.descoped}")
     for split, want in counts.expected(cfg).items():

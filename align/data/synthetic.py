@@ -8,7 +8,7 @@ Owns three small JSONL datasets written by `write_default_data`:
 - sft: prompt/response rows in the same formats that never state a result, so a policy
   tuned on them is near chance on the pairs and DPO has to learn the table.
 
-The same seed gives byte-identical files. Stdlib only.
+The same seed gives byte-identical files. Stdlib and align's own readers only.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from align.data.formats import iter_raw_rows
 from align.receipts import atomic_path
 
 ARGILLA_FILE = "argilla.jsonl"
@@ -188,16 +189,17 @@ def write_default_data(
 def default_texts(
     paths: Mapping[str, str | os.PathLike] | Iterable[str | os.PathLike],
 ) -> Iterator[str]:
-    """Every non-empty prompt or response string in the given JSONL files, in file order."""
+    """Every non-empty prompt or response string in the given JSONL files, in file order.
+
+    Lines are read as the data build reads them, so none is held past the readers' bound.
+    """
     files = paths.values() if isinstance(paths, Mapping) else paths
     for path in files:
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                row = json.loads(line)
-                for field in TEXT_FIELDS:
-                    value = row.get(field)
-                    if isinstance(value, str) and value:
-                        yield value
+        for row in iter_raw_rows(Path(path)):
+            for field in TEXT_FIELDS:
+                value = row.values.get(field)
+                if isinstance(value, str) and value:
+                    yield value
 
 
 def _rng(seed: int, dataset: str) -> random.Random:

@@ -83,10 +83,14 @@ class PromptRenderer:
         setting = str(self.merge_system_into_user).lower()
         return f"the template was given the roles {roles} (data.merge_system_into_user = {setting})"
 
-    def ids(self, records: Sequence[PreferenceRecord]) -> list[list[int]]:
-        """Prompt token ids of each record, starting with exactly one bos."""
+    def ids(
+        self, records: Sequence[PreferenceRecord], texts: Sequence[str] | None = None
+    ) -> list[list[int]]:
+        """Prompt token ids of each record, starting with exactly one bos; `texts` are the
+        records' `text`, where the caller rendered them already."""
         bos = self.tokenizer.bos_id
-        encoded = self.tokenizer.encode_batch([self.text(r) for r in records])
+        texts = [self.text(r) for r in records] if texts is None else texts
+        encoded = self.tokenizer.encode_batch(list(texts))
         if self.template is None:
             return [[bos, *ids] for ids in encoded]
         # The bos token's text in a rendered template encodes to the bos id itself.
@@ -122,10 +126,11 @@ def tokenize_pairs(
     tokenizer,
     seq_len: int,
     renderer: PromptRenderer | None = None,
+    prompt_texts: Sequence[str] | None = None,
 ) -> list[TokenizedPair]:
     """Tokenize a batch of records (one batched encode call per field)."""
     renderer = renderer or PromptRenderer(tokenizer)
-    prompts = renderer.ids(records)
+    prompts = renderer.ids(records, prompt_texts)
     chosens = tokenizer.encode_batch([r.chosen for r in records])
     rejecteds = tokenizer.encode_batch([r.rejected for r in records])
     eos = tokenizer.eos_id
