@@ -249,14 +249,11 @@ def run_align(
         work / "base", ModelConfig(dtype=dtype, attn_implementation="sdpa"), info, trainer_cfg
     )
     shard = PairShard(work / "pairs.safetensors", layout)
-    with torch.no_grad():  # the reference cache: the policy at step 0
-        model.eval()
-        logps = [
-            sequence_logps(model, shard.collate(rows))
-            for rows in np.array_split(np.arange(len(shard)), len(shard) // PAIRS_PER_STEP)
-        ]
-    chosen = torch.cat([lp[: len(lp) // 2] for lp in logps])
-    rejected = torch.cat([lp[len(lp) // 2 :] for lp in logps])
+    # The trainer, and with it the optimizer, comes before the reference forward: a
+    # no_grad forward leaves the FSDP root's parameters gathered, plain tensors an optimizer
+    # built after it would hold instead of the shards, so embed, norm and lm_head would
+    # never train. The reference log-probs fill these tensors in place below.
+    chosen, rejected = torch.zeros(len(shard)), torch.zeros(len(shard))
     trainer = build_trainer(
         model,
         shard,
@@ -269,6 +266,11 @@ def run_align(
         info=info,
         stage_started=time.monotonic(),
     )
+    with torch.no_grad():  # the reference cache: the policy at step 0
+        model.eval()
+        for rows in np.array_split(np.arange(len(shard)), len(shard) // PAIRS_PER_STEP):
+            logps = sequence_logps(model, shard.collate(rows))
+            chosen[rows], rejected[rows] = logps[: len(rows)], logps[len(rows) :]
     ends: list[tuple[float, float]] = []
     trainer.fit(on_step=lambda metrics: ends.append(_clocks()))
     if len(ends) != steps:
