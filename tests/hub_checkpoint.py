@@ -128,3 +128,23 @@ def _as_transformers_4(directory: Path) -> None:
     tokenizer_config_path.write_text(json.dumps(tokenizer_config, indent=2))
     special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
     (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+
+
+def write_hf_cache_snapshot(source: Path, cache_dir: Path, repo_id: str) -> Path:
+    """`source` laid out as the Hugging Face cache holds a download, returning its snapshot:
+    each file's bytes under blobs/ named by their sha256 (as the hub names an LFS file's),
+    the snapshot a directory of relative symlinks into ../../blobs/, refs/main its commit."""
+    import hashlib
+
+    repo = cache_dir / f"models--{repo_id.replace('/', '--')}"
+    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for path in sorted(source.iterdir()):
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        shutil.copyfile(path, repo / "blobs" / digest)
+        (snapshot / path.name).symlink_to(Path("..", "..", "blobs", digest))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot

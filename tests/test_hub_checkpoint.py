@@ -15,6 +15,7 @@ from conftest import dry_run_rules, run_snakemake, snakemake_command
 from hub_checkpoint import (
     MISTRAL_INSTRUCT_V01_TEMPLATE,
     SENTENCEPIECE_V3,
+    write_hf_cache_snapshot,
     write_hub_checkpoint,
     write_mistral_tokenizer,
 )
@@ -37,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 HUB_CONFIGS = REPO / "tests" / "configs" / "hub"
 INDEX = "model.safetensors.index.json"
 LAYOUTS = ("v4", "v5")
+CACHED_REPO = "mistralai/Mistral-tiny-random"
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +185,42 @@ def test_export_carries_the_generation_config_and_chat_template(hub, tmp_path):
         assert AutoTokenizer.from_pretrained(out).chat_template == MISTRAL_INSTRUCT_V01_TEMPLATE
 
 
+@pytest.fixture(scope="module")
+def cached(hub, tmp_path_factory) -> Path:
+    """hub["v5"] as a snapshot of the Hugging Face cache, found by huggingface_hub itself."""
+    from huggingface_hub import scan_cache_dir, snapshot_download
+
+    cache_dir = tmp_path_factory.mktemp("hf_cache")
+    written = write_hf_cache_snapshot(hub["v5"], cache_dir, CACHED_REPO)
+    snapshot = Path(snapshot_download(CACHED_REPO, cache_dir=cache_dir, local_files_only=True))
+    assert snapshot == written
+    scanned = scan_cache_dir(cache_dir)
+    assert not scanned.warnings and [r.repo_id for r in scanned.repos] == [CACHED_REPO]
+    return snapshot
+
+
+def test_a_hf_cache_snapshot_of_symlinks_into_its_blobs_is_the_checkpoint_it_links(hub, cached):
+    from align.model.tokenizer_hash import tokenizer_hash
+    from align.utils.weights_hash import weights_hash
+
+    source = hub["v5"]
+    assert all(path.is_symlink() for path in cached.iterdir())
+    assert [p.name for p in checkpoint_files(cached)] == [p.name for p in checkpoint_files(source)]
+    assert verify_checkpoint(cached) == verify_checkpoint(source)
+    assert weights_hash(cached) == weights_hash(source)
+    assert tokenizer_hash(cached) == tokenizer_hash(source)
+    assert load_tokenizer(cached).encode("[INST] Hi [/INST]") == load_tokenizer(source).encode(
+        "[INST] Hi [/INST]"
+    )
+
+
+def test_an_export_from_a_hf_cache_snapshot_copies_the_files_not_the_links(cached, tmp_path):
+    out = save_hf_checkpoint(load_pretrained(cached), tmp_path / "policy", source_dir=cached)
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert not (out / name).is_symlink() and (out / name).is_file(), name
+        assert (out / name).read_bytes() == (cached / name).read_bytes(), name
+
+
 def test_sharded_base_model_no_longer_fails_dag_build_with_missing_input(hub, tmp_path):
     rules = dry_run_rules(tmp_path, "arms", "--config", f"base_model={hub['v4']}")
     assert "sft" in rules and "sft_gate" in rules
@@ -258,14 +296,15 @@ def check_chain(paths: RunPaths, arm: str, checkpoint: Path, source: Path) -> No
 
 # One chain from each end, one arm each (CI time): the Step-DPO arm from the sharded
 # base model, the argilla arm (its system turn folded for Mistral's template) from the
-# SFT checkpoint. Each is one rank at a time, so the two run side by side.
+# SFT checkpoint as a Hugging Face cache snapshot. Each is one rank at a time, so the two
+# run side by side.
 @pytest.fixture(scope="module")
-def chains(hub, tmp_path_factory) -> dict[str, RunPaths]:
+def chains(hub, cached, tmp_path_factory) -> dict[str, RunPaths]:
     """`snakemake arms` from each end, both started before either is waited on."""
     works = {name: tmp_path_factory.mktemp(f"chain-{name}") for name in ("base", "sft")}
     configs = {
         "base": chain_config(works["base"], "steppairs", base_model=str(hub["v4"])),
-        "sft": chain_config(works["sft"], "argilla", sft_checkpoint=str(hub["v5"])),
+        "sft": chain_config(works["sft"], "argilla", sft_checkpoint=str(cached)),
     }
     runs = {}
     try:
@@ -296,7 +335,7 @@ def test_whole_chain_from_a_sharded_hub_base_model(hub, chains):
 
 
 @pytest.mark.slow
-def test_whole_chain_from_a_hub_sft_checkpoint(hub, chains):
+def test_whole_chain_from_a_hub_sft_checkpoint_in_the_hf_cache(hub, cached, chains):
     paths = chains["sft"]
     assert not paths.sft_checkpoint.exists(), "rule sft ran although a checkpoint was given"
-    check_chain(paths, "argilla", hub["v5"], hub["v5"])
+    check_chain(paths, "argilla", cached, hub["v5"])

@@ -357,3 +357,109 @@ def test_header_overlapping_tensors_refused(copy):
 
     edit_header(copy / WEIGHTS, overlap)
     assert "holes and overlaps are refused" in str(refused(read_safetensors_header, copy / WEIGHTS))
+
+
+# --- every JSON file of a checkpoint, through its reader -----------------------------------
+
+# Valid JSON that no reader can walk: an array nested 200,000 deep.
+DEEP_NESTING = "[" * 200_000 + "]" * 200_000
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def nested_header(path: Path) -> None:
+    """`path`'s safetensors header replaced by DEEP_NESTING (its data bytes kept)."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    raw = DEEP_NESTING.encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length :])
+
+
+def load_tokenizer_of(checkpoint: Path):
+    from align.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(checkpoint)
+
+
+def reader_of(name: str):
+    """The reader that parses checkpoint file `name`."""
+    return load_tokenizer_of if name in TOKENIZER_FILES else verify_checkpoint
+
+
+JSON_FILES = (*TOKENIZER_FILES, "config.json", "generation_config.json", INDEX)
+# A field of the wrong type for each file, merged into its honest content, and the phrase
+# its refusal names.
+WRONG_TYPES = {
+    "tokenizer.json": ({"model": 7}, "reads as a Tokenizer, found data did not match"),
+    "tokenizer_config.json": ({"eos_token": ["</s>"]}, "eos_token expected a string"),
+    "special_tokens_map.json": ({"bos_token": {"content": 1}}, "bos_token expected a string"),
+    "config.json": ({"vocab_size": "300"}, "vocab_size='300' must be a positive integer"),
+    "generation_config.json": ({"eos_token_id": "2"}, "eos_token_id expected a token id"),
+    INDEX: ({"weight_map": ["model-00001.safetensors"]}, "weight_map maps tensor names"),
+}
+
+
+@pytest.fixture
+def sharded_copy(honest_sharded, tmp_path) -> Path:
+    """The sharded checkpoint with every optional JSON file a hub checkpoint may carry."""
+    copy = shutil.copytree(honest_sharded, tmp_path / "sharded")
+    (copy / "special_tokens_map.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (copy / "generation_config.json").write_text(json.dumps({"bos_token_id": 1}))
+    return copy
+
+
+def test_every_json_file_of_the_checkpoint_is_read_by_a_reader_here(sharded_copy):
+    load_tokenizer_of(sharded_copy)
+    verify_checkpoint(sharded_copy)
+    assert {path.name for path in sharded_copy.iterdir()} >= set(JSON_FILES)
+
+
+@pytest.mark.parametrize("name", JSON_FILES)
+def test_a_checkpoint_json_file_nested_200000_deep_refused_exit_3_naming_it(sharded_copy, name):
+    (sharded_copy / name).write_text(DEEP_NESTING)
+    err = refused(reader_of(name), sharded_copy)
+    assert err.path == sharded_copy / name
+    assert str(sharded_copy / name) in str(err)
+    assert "expected a JSON object" in str(err) and "nested deeper" in str(err)
+
+
+@pytest.mark.parametrize("name", JSON_FILES)
+def test_a_checkpoint_json_file_of_the_wrong_type_refused_exit_3_naming_it(sharded_copy, name):
+    path = sharded_copy / name
+    fields, phrase = WRONG_TYPES[name]
+    wrong_field = json.dumps({**json.loads(path.read_text()), **fields})
+    for text, expected in (("[1, 2]", "found a JSON array"), (wrong_field, phrase)):
+        path.write_text(text)
+        err = refused(reader_of(name), sharded_copy)
+        assert err.path == path and expected in str(err), str(err)
+
+
+def test_a_safetensors_header_nested_200000_deep_refused_exit_3(copy):
+    nested_header(copy / WEIGHTS)
+    err = refused(read_safetensors_header, copy / WEIGHTS)
+    assert err.path == copy / WEIGHTS and "nested deeper" in str(err)
+
+
+def test_a_chat_template_of_the_wrong_type_refused_exit_3(copy):
+    path = copy / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": 7}))
+    err = refused(load_tokenizer_of, copy)
+    assert err.path == path and "chat_template expected a string" in str(err)
+
+
+def test_preregister_with_a_tokenizer_json_nested_200000_deep_refused_exit_3(copy, tmp_path):
+    """The reported case: `align preregister` ended with a traceback (exit 1) here."""
+    (copy / "tokenizer.json").write_text(DEEP_NESTING)
+    command = [sys.executable, "-m", "align.cli", "preregister", "config/arms/argilla.toml"]
+    run = subprocess.run(
+        [*command, f"--checkpoint={copy}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        preexec_fn=limit_address_space,
+    )
+    assert run.returncode == GATE_REFUSED, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    (line,) = run.stderr.splitlines()
+    assert line.startswith("align preregister: gate checkpoint: ")
+    assert str(copy / "tokenizer.json") in line and "nested deeper" in line
