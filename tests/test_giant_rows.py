@@ -265,6 +265,18 @@ def test_a_parquet_row_group_over_the_memory_bound_is_refused_before_it_is_read(
     assert "row_group_size=N" in message
 
 
+def test_an_empty_parquet_row_group_is_no_row_over_the_bound(tmp_path):
+    # An empty group still holds a few bytes of page headers, and no row to share them.
+    path = tmp_path / "rows.parquet"
+    table = pa.Table.from_pylist(step_rows(2))
+    with pq.ParquetWriter(path, table.schema) as writer:
+        writer.write_table(table.slice(0, 0))
+        writer.write_table(table)
+    assert pq.ParquetFile(path).metadata.row_group(0).num_rows == 0
+    rows = list(iter_raw_rows(path, small_bounds(1 << 10)))
+    assert [row.row for row in rows] == [1, 2]
+
+
 # --- SFT rows ------------------------------------------------------------------------------
 
 

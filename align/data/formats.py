@@ -239,6 +239,8 @@ def _iter_parquet(path: Path, bounds: RowBounds) -> Iterator[RawRow]:
 def _check_row_group(path: Path, meta, group: int, first_row: int, bounds: RowBounds) -> None:
     """Refuse a row group, before it is read, that a reader could not hold within `bounds`."""
     rows = meta.num_rows
+    if rows == 0:
+        return  # nothing of it is read
     where = f"{path} rows {first_row}-{first_row + rows - 1} (row group {group})"
     for i in range(meta.num_columns):
         column = meta.column(i)
