@@ -45,9 +45,10 @@ REPORT_END_TIMEOUT_S = 10
 
 
 def documented_code(exitcodes: list[int]) -> int:
-    """The code to report for failed ranks: the first positive code, ranks in order; a rank
-    killed by a signal reports 128 + the signal, as a shell would."""
-    positive = [code for code in exitcodes if code > 0]
+    """The code to report for failed ranks: the first positive code other than INTERNAL,
+    ranks in order, since a rank that saw its peer fail (a broken collective) ends internal;
+    then INTERNAL; a rank killed by a signal reports 128 + the signal, as a shell would."""
+    positive = sorted((code for code in exitcodes if code > 0), key=lambda code: code == INTERNAL)
     if positive:
         return positive[0]
     signalled = [code for code in exitcodes if code < 0]

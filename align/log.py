@@ -7,13 +7,21 @@ INFO and DEBUG lines too. A stage's messages go through `stage_logger(stage)`.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import io
 import logging
 import os
+import stat
 import sys
 
 ROOT = "align"
 LEVEL_ENV = "ALIGN_LOG_LEVEL"
+# Bytes kept allocated past the end of a log file, so that the lines a stage ends with
+# reach it when its filesystem has filled: far more than any stage's last lines.
+LOG_RESERVE_BYTES = 64 << 10
+# fallocate(2)'s mode that allocates without changing the file's size.
+_FALLOC_FL_KEEP_SIZE = 1
 
 
 def process_rank() -> int:
@@ -53,7 +61,10 @@ class _OneWrite(logging.Handler):
                 stream.write(line)  # a stream without a descriptor (a test's capture)
                 stream.flush()
                 return
-            os.write(fd, line.encode())
+            data = line.encode()
+            while data:  # a write cut short (a full filesystem) writes the rest or raises
+                data = data[os.write(fd, data) :]
+            reserve_log_space(fd)
         except Exception:  # logging must never end a stage
             self.handleError(record)
 
@@ -77,3 +88,26 @@ def _install() -> None:
         root.addHandler(handler)
         root.propagate = False
     root.setLevel(_level())
+
+
+def reserve_log_space(fd: int | None = None) -> None:
+    """Keep LOG_RESERVE_BYTES allocated past the end of stderr (or `fd`) when it is a regular
+    file. Best effort: where the filesystem or the C library cannot allocate ahead, or the
+    space is already gone, nothing is reserved and nothing else changes."""
+    fallocate = _fallocate()
+    try:
+        fd = sys.stderr.fileno() if fd is None else fd
+        status = os.fstat(fd)
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return
+    if fallocate is not None and stat.S_ISREG(status.st_mode):
+        fallocate(fd, _FALLOC_FL_KEEP_SIZE, status.st_size, LOG_RESERVE_BYTES)
+
+
+@functools.cache
+def _fallocate():
+    """fallocate(2) from the C library the process runs on (Linux), or None."""
+    fallocate = getattr(ctypes.CDLL(None, use_errno=True), "fallocate", None)
+    if fallocate is not None:
+        fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fallocate

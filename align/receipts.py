@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from align import __version__
-from align.exit_codes import GateRefused
+from align.exit_codes import GateRefused, writing
 
 # 2: receipts name files relative to the results directory (absolute outside it).
 SCHEMA_VERSION = 2
@@ -30,22 +30,27 @@ _CHUNK = 1 << 20
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success fsync it and rename it into place."""
+def atomic_path(path: str | os.PathLike, needed_bytes: int | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success fsync it and rename it into place.
+
+    A write that runs out of space raises `NoSpaceLeft` naming `path` (and `needed_bytes`,
+    what the caller knows it writes), with the temporary file already gone.
+    """
     final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    os.chmod(tmp_path, 0o666 & ~_umask())
-    try:
-        yield tmp_path
-        with open(tmp_path, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp_path, final)
-        _fsync_dir(final.parent)
-    finally:
-        tmp_path.unlink(missing_ok=True)
+    with writing(final, needed_bytes):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+        os.close(fd)
+        tmp_path = Path(tmp)
+        try:
+            os.chmod(tmp_path, 0o666 & ~_umask())
+            yield tmp_path
+            with open(tmp_path, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp_path, final)
+            _fsync_dir(final.parent)
+        finally:
+            tmp_path.unlink(missing_ok=True)
 
 
 def _umask() -> int:
@@ -64,8 +69,9 @@ def _fsync_dir(directory: Path) -> None:
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     """Write `obj` as pretty, key-sorted JSON atomically."""
-    with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    text = json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
+    with atomic_path(path, needed_bytes=len(text.encode())) as tmp:
+        tmp.write_text(text)
 
 
 def read_json(path: str | os.PathLike) -> Any:

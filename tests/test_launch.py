@@ -69,3 +69,13 @@ def test_a_multi_node_launch_outside_slurm_needs_an_endpoint(monkeypatch):
     ns = launch.parse(["--nproc=1", "--nnodes=2", "--node-rank=0", "stage.py"])
     with pytest.raises(SystemExit, match="needs --rdzv-endpoint outside a Slurm job step"):
         launch.rendezvous_endpoint(ns)
+
+
+def test_a_rank_out_of_space_reported_internal_when_a_lower_rank_saw_it_fail():
+    """Rank 1's full disk (7) ends rank 0 in a broken collective (70): the job reports 7."""
+    from align.exit_codes import INTERNAL, NO_SPACE
+
+    assert launch.documented_code([INTERNAL, NO_SPACE, -15]) == NO_SPACE
+    assert launch.documented_code([3, 7]) == 3
+    assert launch.documented_code([0, INTERNAL, -9]) == INTERNAL
+    assert launch.documented_code([0, -9]) == 128 + 9

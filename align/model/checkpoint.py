@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from align.exit_codes import writing
 from align.model.checkpoint_files import companion_files
 from align.model.checkpoint_shapes import verified_hf_config
 from align.model.hf_config import MistralConfig
@@ -134,7 +135,8 @@ def save_hf_state(
     if len(dtype_names) != 1:
         raise ValueError(f"model mixes parameter dtypes {sorted(dtype_names)}; cast it to one")
     config = dataclasses.replace(config, torch_dtype=dtype_names.pop())
-    with _atomic_directory(out_dir) as staging:
+    needed = sum(map(_nbytes, hf_state.values())) + sum(p.stat().st_size for p in carried)
+    with writing(out_dir, needed), _atomic_directory(out_dir) as staging:
         _write_json(staging / "config.json", config.to_hf_dict())
         _write_weights(staging, hf_state, max_shard_bytes)
         for source in carried:

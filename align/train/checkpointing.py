@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from align.exit_codes import NoSpaceLeft, writing
 from align.log import stage_logger
 from align.paths import checkpoints_in
 from align.receipts import read_json, write_json_atomic
@@ -104,12 +105,18 @@ class CheckpointManager:
             partial.mkdir(parents=True)
         barrier()
         model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial))
-        save_file(_rng_state(), str(partial / _rng_file(self.info.rank)))
-        if rank_state is not None:
-            write_json_atomic(partial / _rank_state_file(self.info.rank), rank_state)
-        if self.info.is_main:
-            write_json_atomic(partial / TRAINER_STATE, trainer_state)
+        try:
+            with writing(partial, _local_bytes([model_state, optim_state])):
+                dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial))
+                save_file(_rng_state(), str(partial / _rng_file(self.info.rank)))
+                if rank_state is not None:
+                    write_json_atomic(partial / _rank_state_file(self.info.rank), rank_state)
+                if self.info.is_main:
+                    write_json_atomic(partial / TRAINER_STATE, trainer_state)
+        except NoSpaceLeft:
+            # A torn checkpoint is never read; removing it gives its space back at once.
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         barrier()
         if self.info.is_main:
             self._mark_complete(partial, final, micro_step)
@@ -154,6 +161,18 @@ class CheckpointManager:
         if not path.is_file():
             raise ValueError(f"{path}: missing; this run resumes a rank state its checkpoint lacks")
         return read_json(path)
+
+
+def _local_bytes(state: Any) -> int:
+    """Bytes of this rank's tensors in a (nested) state dict: the shards it writes."""
+    if isinstance(state, dict):
+        return sum(_local_bytes(value) for value in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_local_bytes(value) for value in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from align.config import TrainerConfig
-from align.exit_codes import AlignError, ResumableStop
+from align.exit_codes import AlignError, ResumableStop, writing
 from align.log import stage_logger
 from align.paths import metrics_in, stop_marker_in
 from align.train.checkpointing import CheckpointManager
@@ -311,8 +311,9 @@ class Trainer:
 
     def _log(self, metrics: dict[str, Any]) -> None:
         if self.info.is_main:
-            with open(self.metrics_path, "a") as log:
-                log.write(json.dumps(metrics) + "\n")
+            line = json.dumps(metrics) + "\n"
+            with writing(self.metrics_path, len(line)), open(self.metrics_path, "a") as log:
+                log.write(line)
 
     def summary(self) -> dict[str, Any]:
         return {
