@@ -26,7 +26,8 @@ character (the longest JSON escape of one character, a pair of \\uXXXX) x 8 copi
 row limit (argilla's raw rows repeat each text up to four times: the columns, the
 generations, the originals and the judge's prompt) + 64 KiB of keys, numbers and fixed
 text. A row of the public schemas within the limit is not refused by it; a line over
-it is refused (exit 4) without being held. Readers that tokenize nothing hold at most `DEFAULT_LINE_BYTES`.
+it is refused (exit 4) without being held. Readers that tokenize nothing hold at most
+`DEFAULT_LINE_BYTES`.
 """
 
 from __future__ import annotations
