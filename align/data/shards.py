@@ -72,7 +72,8 @@ def sft_arrays(rows: Sequence[tuple[list[int], int]], pad_id: int) -> dict[str, 
 def write_shard(
     path: str | Path, arrays: dict[str, np.ndarray], fmt: str, **metadata: object
 ) -> None:
-    with atomic_path(path) as tmp:
+    needed = sum(array.nbytes for array in arrays.values())
+    with atomic_path(path, needed_bytes=needed) as tmp:
         save_file(arrays, str(tmp), metadata=single_key_metadata({"format": fmt, **metadata}))
 
 
@@ -219,7 +220,8 @@ def write_streamed(path: str | Path, tensors: list[_Tensor], metadata: dict[str,
     """Write a safetensors file from byte blocks, atomically; return sha256 of its tensor data."""
     ordered = sorted(tensors, key=lambda t: (-t.dtype.itemsize, t.name))
     digest = hashlib.sha256()
-    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+    needed = sum(t.nbytes for t in ordered)
+    with atomic_path(path, needed_bytes=needed) as tmp, open(tmp, "wb") as fh:
         fh.write(_header(ordered, metadata))
         for t in ordered:
             written = 0

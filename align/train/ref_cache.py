@@ -148,7 +148,8 @@ def _arrays(pair_ids: np.ndarray, chosen: np.ndarray, rejected: np.ndarray) -> d
 def _save(path: str | Path, arrays: dict, metadata: dict[str, object]) -> None:
     from safetensors.numpy import save_file
 
-    with atomic_path(path) as tmp:
+    needed = sum(array.nbytes for array in arrays.values())
+    with atomic_path(path, needed_bytes=needed) as tmp:
         save_file(arrays, str(tmp), metadata=single_key_metadata(metadata))
 
 
