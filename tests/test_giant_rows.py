@@ -280,24 +280,27 @@ def test_an_empty_parquet_row_group_is_no_row_over_the_bound(tmp_path):
 # --- SFT rows ------------------------------------------------------------------------------
 
 
-def test_an_sft_row_over_the_limit_is_refused_naming_the_row(tmp_path, tokenizer):
+def test_an_sft_row_over_the_limit_is_removed_as_row_over_length_and_counted(tmp_path, tokenizer):
     bounds = RowBounds.of(tokenizer, 8)
     rows = [{"prompt": f"Say {i}.", "response": f"{i}"} for i in range(20)]
-    rows.insert(4, {"prompt": "z" * bounds.chars, "response": "ok"})
     path = tmp_path / "sft.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     cfg = SftDataConfig(files=[str(path)], seq_len=8, held_fraction=0.3)
-    with pytest.raises(BadInputData) as err:
-        tokenize_sft_splits(cfg, tokenizer)
-    assert str(err.value) == (
-        f"{path} line 5: expected a rendered prompt and response of at most {bounds.chars} "
-        f"characters ({bounds.basis}), found {bounds.chars + 3}"
-    )
-    # The plain join ends the prompt with one newline: chars + 1, and two of the response.
-    del rows[4]
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    arrays = tokenize_sft_splits(cfg, tokenizer)
-    assert sum(len(split["length"]) for split in arrays.values()) == len(rows)
+    without, none_removed = tokenize_sft_splits(cfg, tokenizer)
+    assert none_removed == {"row_over_length": 0}
+    # The plain join ends the prompt with one newline: chars - 3 + 1 + 2 = the limit.
+    at_limit = {"prompt": "z" * (bounds.chars - 3), "response": "ok"}
+    over = {"prompt": "z" * bounds.chars, "response": "ok"}
+    path.write_text("".join(json.dumps(row) + "\n" for row in [*rows[:4], over, *rows[4:]]))
+    arrays, removed = tokenize_sft_splits(cfg, tokenizer)
+    assert removed == {"row_over_length": 1}
+    assert {s: a["ids"].tobytes() for s, a in arrays.items()} == {
+        s: a["ids"].tobytes() for s, a in without.items()
+    }
+    path.write_text("".join(json.dumps(row) + "\n" for row in [*rows, at_limit]))
+    arrays, removed = tokenize_sft_splits(cfg, tokenizer)
+    assert removed == {"row_over_length": 0}
+    assert sum(len(split["length"]) for split in arrays.values()) == len(rows) + 1
 
 
 # --- (b), (c) through `align preregister`, under an address-space limit --------------------

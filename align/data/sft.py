@@ -1,8 +1,8 @@
 """SFT text: prompt/response rows, split by prompt hash, tokenized into in-memory shards.
 
 Rows are read within the bounds of align.data.bounds for the SFT seq_len. A row whose
-rendered prompt and response hold more characters than the row limit is refused
-(exit 4), not cut: SFT has no filter counts to report a removal in, and a row that long
+rendered prompt and response hold more characters than the row limit is removed before
+it is tokenized and counted as `row_over_length`, as the preference build counts it: it
 has more than 16 x seq_len tokens, so truncation would train on a fragment of it.
 """
 
@@ -17,15 +17,18 @@ from align.data.tokenize import PromptRenderer, tokenize_sft
 from align.exit_codes import BadInputData
 from align.paths import SPLITS
 
+SFT_FILTERS = ("row_over_length",)
+
 
 def read_sft_splits(
     cfg: SftDataConfig,
     bounds: RowBounds = UNTOKENIZED,
     renderer: PromptRenderer | None = None,
-) -> dict[str, tuple[list[str], list[str]]]:
-    """{split: (prompts, responses)} from rows with string `prompt` and `response`; with a
-    `renderer`, a row over `bounds`' row limit is refused."""
+) -> tuple[dict[str, tuple[list[str], list[str]]], dict[str, int]]:
+    """({split: (prompts, responses)}, {filter: rows removed}) from rows with string `prompt`
+    and `response`; with a `renderer`, a row over `bounds`' row limit is removed."""
     splits: dict[str, tuple[list[str], list[str]]] = {s: ([], []) for s in SPLITS}
+    removed = dict.fromkeys(SFT_FILTERS, 0)
     for path in expand_files(cfg.files):
         for row in iter_raw_rows(path, bounds):
             prompt, response = row.get("prompt", str), row.get("response", str)
@@ -33,12 +36,9 @@ def read_sft_splits(
                 raise BadInputData(f"{row.where()}: column 'response' is empty")
             if renderer is not None:
                 record = PreferenceRecord(prompt, "", "", row.source, row.row)
-                chars = len(renderer.text(record)) + len(response)
-                if bounds.over(chars):
-                    raise BadInputData(
-                        f"{row.where()}: expected a rendered prompt and response of at most "
-                        f"{bounds.chars} characters ({bounds.basis}), found {chars}"
-                    )
+                if bounds.over(len(renderer.text(record)) + len(response)):
+                    removed["row_over_length"] += 1
+                    continue
             prompts, responses = splits[split_of(prompt, cfg.held_fraction, cfg.split_seed)]
             prompts.append(prompt)
             responses.append(response)
@@ -47,16 +47,17 @@ def read_sft_splits(
             raise BadInputData(
                 f"SFT data {cfg.files}: split {split!r} is empty (held_fraction={cfg.held_fraction})"
             )
-    return splits
+    return splits, removed
 
 
-def tokenize_sft_splits(cfg: SftDataConfig, tokenizer) -> dict[str, dict]:
-    """{split: sft arrays} ready for `SftShard`."""
+def tokenize_sft_splits(cfg: SftDataConfig, tokenizer) -> tuple[dict[str, dict], dict[str, int]]:
+    """({split: sft arrays} ready for `SftShard`, {filter: rows removed})."""
     bounds = RowBounds.of(tokenizer, cfg.seq_len)
-    splits = read_sft_splits(cfg, bounds, PromptRenderer(tokenizer))
-    return {
+    splits, removed = read_sft_splits(cfg, bounds, PromptRenderer(tokenizer))
+    arrays = {
         split: sft_arrays(
             tokenize_sft(prompts, responses, tokenizer, cfg.seq_len), tokenizer.pad_id
         )
         for split, (prompts, responses) in splits.items()
     }
+    return arrays, removed

@@ -38,7 +38,7 @@ def run_sft(
     info = start_session(paths.sft_run_dir, cfg.run, cfg.batch)
     meter = PhaseMeter(info.device.type)
     tokenizer = load_tokenizer(cfg.run.base_model)
-    arrays = tokenize_sft_splits(cfg.data, tokenizer)
+    arrays, removed = tokenize_sft_splits(cfg.data, tokenizer)
     train, held = SftShard(arrays["train"]), SftShard(arrays["held"])
     marker, policy = paths.sft_stop_marker, paths.recorded(paths.sft_checkpoint)
     figures: dict[str, Any] = {}
@@ -61,6 +61,7 @@ def run_sft(
         "world_size": info.world_size,
         "train_rows": len(train),
         "held_rows": len(held),
+        "removed_rows": removed,
         "training": summary,
         "held_nll": held_nll,
         "precision": model.precision,
@@ -105,7 +106,7 @@ def evaluate_sft_gate(
     info = start_session(run_dir, cfg.run, None)
     meter = PhaseMeter(info.device.type)
     tokenizer = load_tokenizer(checkpoint)
-    held = SftShard(tokenize_sft_splits(cfg.data, tokenizer)["held"])
+    held = SftShard(tokenize_sft_splits(cfg.data, tokenizer)[0]["held"])
     with meter.phase("load"):
         model = load_policy(checkpoint, cfg.model, info)
     a = held.arrays
