@@ -33,6 +33,19 @@ def stand_in_cache_key(forward_impl: str):
     )
 
 
+@pytest.fixture(scope="module")
+def info(tmp_path_factory):
+    """A one-rank gloo group, as every stage has (left alone if a test already made one)."""
+    import torch.distributed as dist
+
+    from align.utils.dist import destroy_distributed, init_distributed
+
+    created = not dist.is_initialized()
+    yield init_distributed(tmp_path_factory.mktemp("group"), "cpu")
+    if created:
+        destroy_distributed()
+
+
 def run_snakemake(
     workdir: Path,
     *args: str,

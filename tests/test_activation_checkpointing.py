@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
-import torch.distributed as dist
 from tiny_models import tiny_mistral_config
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     _CHECKPOINT_PREFIX,
@@ -20,7 +18,6 @@ from align.model.checkpoint import save_hf_checkpoint
 from align.model.mistral import DecoderLayer, NmoMistralForCausalLM
 from align.train.fsdp import apply_activation_checkpointing, load_sharded
 from align.train.precision import Precision
-from align.utils.dist import destroy_distributed, init_distributed
 
 torch.set_num_threads(1)
 
@@ -95,15 +92,6 @@ def test_checkpointing_leaves_loss_and_gradients_unchanged():
     calls = count_layer_forwards(plain)
     assert_same_step(plain, checkpointed)
     assert calls == [1] * CONFIG.num_hidden_layers  # the reference really kept its activations
-
-
-@pytest.fixture(scope="module")
-def info(tmp_path_factory):
-    """A one-rank gloo group, as every stage has (left alone if a test already made one)."""
-    created = not dist.is_initialized()
-    yield init_distributed(tmp_path_factory.mktemp("group"), "cpu")
-    if created:
-        destroy_distributed()
 
 
 def test_checkpointing_under_fsdp_loads_the_weights_and_keeps_the_step(info, tmp_path):

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 from tiny_models import tiny_mistral_config
 
@@ -31,7 +30,6 @@ from align.train.optim import (
     build_optimizer,
     param_groups_record,
 )
-from align.utils.dist import destroy_distributed, init_distributed
 
 torch.set_num_threads(1)
 
@@ -40,15 +38,6 @@ CONFIG = tiny_mistral_config(
     vocab_size=256, hidden_size=64, intermediate_size=128, max_position_embeddings=32
 )
 ADAMW8BIT = OptimizerConfig(name="adamw8bit", lr=1e-2, weight_decay=0.01)
-
-
-@pytest.fixture(scope="module")
-def info(tmp_path_factory):
-    """A one-rank gloo group, as every stage has (left alone if a test already made one)."""
-    created = not dist.is_initialized()
-    yield init_distributed(tmp_path_factory.mktemp("group"), "cpu")
-    if created:
-        destroy_distributed()
 
 
 def sharded_model(seed: int = 0) -> NmoMistralForCausalLM:

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from datasets import Dataset
 from tiny_models import TINY_SIZES
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -41,7 +40,6 @@ from align.model.tokenizer import train_bpe_tokenizer
 from align.train.adapters import DpoAdapter
 from align.train.fsdp import gather_full_state
 from align.train.session import build_trainer, load_policy
-from align.utils.dist import destroy_distributed, init_distributed
 
 # Matrices of a few dozen rows: thread hand-offs would cost more than the arithmetic.
 torch.set_num_threads(1)
@@ -82,15 +80,6 @@ CASES = {
     "ipo": ("ipo", 0.0),
     "sigmoid-weight-decay": ("sigmoid", 0.1),
 }
-
-
-@pytest.fixture(scope="module")
-def info(tmp_path_factory):
-    """A one-rank gloo group, as every stage has (left alone if a test already made one)."""
-    created = not dist.is_initialized()
-    yield init_distributed(tmp_path_factory.mktemp("group"), "cpu")
-    if created:
-        destroy_distributed()
 
 
 @pytest.fixture(scope="module")
