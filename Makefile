@@ -45,7 +45,8 @@ services:
 # single-rank and single-threaded tests leave idle.
 BESIDE := tests/test_slurm.py tests/test_trainer_multirank.py tests/test_flash_attn.py \
 	tests/test_kernel_gate_rule.py tests/test_generation_sanity.py tests/test_optim.py \
-	tests/test_ref_precompute.py tests/test_train_units.py tests/test_probe_peaks.py
+	tests/test_ref_precompute.py tests/test_train_units.py tests/test_probe_peaks.py \
+	tests/test_full_disk.py tests/test_trl_trainer_parity.py
 # The two runs oversubscribe the cores: OpenMP workers that spin while they wait would burn
 # the time the other run's processes need, so they sleep.
 test: export OMP_WAIT_POLICY := PASSIVE
