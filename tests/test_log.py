@@ -57,3 +57,30 @@ def test_an_unknown_level_is_refused_naming_the_variable(tmp_path):
     with log.open("w") as out:
         assert run_writer(1, 0, "LOUD", out).wait(timeout=60) != 0
     assert "ALIGN_LOG_LEVEL='LOUD' is not a logging level" in log.read_text()
+
+
+def test_a_log_file_keeps_space_reserved_past_its_end_after_each_line(tmp_path):
+    """What lets a stage's last line reach a log on a filesystem that has since filled."""
+    from align.log import LOG_RESERVE_BYTES, reserve_log_space
+
+    log = tmp_path / "stage.log"
+    with log.open("w") as handle:
+        reserve_log_space(handle.fileno())
+        status = os.fstat(handle.fileno())
+    assert status.st_size == 0
+    assert status.st_blocks * 512 >= LOG_RESERVE_BYTES
+
+
+def test_a_base_exception_from_a_library_ends_the_stage_internal_with_its_line(tmp_path):
+    """torch.distributed.checkpoint's CheckpointException derives from BaseException: it
+    ended a stage with exit 1 and no line of ours."""
+    script = (
+        "from align.exit_codes import run_with_exit_codes\n"
+        "class Gathered(BaseException): pass\n"
+        "def main(): raise Gathered('rank 0 failed')\n"
+        "run_with_exit_codes(main, 'probe')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 70, run.stderr
+    assert run.stderr.splitlines()[-1] == "align probe: internal error (exit 70)"
+    assert "Gathered: rank 0 failed" in run.stderr
