@@ -5,7 +5,8 @@ under each results directory that records phases (align.train.phases): the sft,
 sft_gate, ref_cache, path_bias, probe, dpo and select_arms jobs. For each phase it
 prints the job's measured host peak (the sum of its ranks' peaks) over the projection
 of align.train.memory, term by term where rank 0's own terms can be read apart, and
-the phase's wall clock, over the probe's projection for DPO training. It also sets
+the phase's wall clock, over the probe's projection for DPO training, and each training
+run's wall clock over its own projection with its time per step. It also sets
 Snakemake's benchmark max_rss of each job beside the projection's largest phase, and
 each checkpoint save against the probe's timed one.
 
@@ -146,7 +147,11 @@ def with_current_projections(results: Path, found: list[tuple[str, Path, dict]])
         train = receipt["phases"].get("train", {})
         if receipt["stage"] == "dpo" and "projected_wall_s" in train:
             cfg = receipt_config(receipt)
-            train["projected_wall_s"] = current_wall_s(results, cfg, probes[cfg.arm])
+            probe = probes[cfg.arm]["figures"]
+            # One run's projection again; the phase's, its runs' shares of it.
+            shares = train["projected_wall_s"] / probe["projected_wall_s"]
+            probe["projected_wall_s"] = current_wall_s(results, cfg, probes[cfg.arm])
+            train["projected_wall_s"] = probe["projected_wall_s"] * shares
             train["wall_ratio"] = train["wall_s"] / train["projected_wall_s"]
 
 
@@ -197,6 +202,31 @@ def phase_rows(receipt: dict) -> list[str]:
     return lines
 
 
+def run_rows(receipt: dict, probe: dict | None) -> list[str]:
+    """Each training run of a dpo receipt (the first, and a rerun after an alarm): its wall
+    clock over its own projection (its steps' share of the probe's), and its time per step
+    beside the probe's median."""
+    runs = ((receipt.get("figures") or {}).get("tripwire") or {}).get("runs") or []
+    if receipt["stage"] != "dpo" or probe is None or not runs:
+        return []
+    from align.train.probes import ProbeReceipt, run_projection_s
+
+    measured = ProbeReceipt.of(probe)
+    lines = []
+    for run in runs:
+        steps, wall = run["summary"]["fit_steps"], run["summary"]["fit_wall_s"]
+        if not steps:
+            continue
+        projected = run_projection_s(measured.projected_wall_s, steps, measured.horizon_steps)
+        ratio = wall / projected
+        lines.append(
+            f"    run {run['run']:<6} {steps} steps, wall {wall:.1f} s / {projected:.1f} s = "
+            f"{ratio:4.2f}x, {wall / steps:.3f} s/step (probe median "
+            f"{measured.median_step_s:.3f}){ratio_mark(ratio, 1 - WALL_GOAL, 1 + WALL_GOAL)}"
+        )
+    return lines
+
+
 def checkpoint_rows(receipt: dict, probe_save_s: float | None) -> list[str]:
     training = (receipt.get("figures") or {}).get("training") or {}
     saves, loads = training.get("checkpoint_save_s", []), training.get("checkpoint_load_s", [])
@@ -219,14 +249,11 @@ def report(results: Path, current: bool = False) -> tuple[list[str], int]:
     found = receipts(results)
     if current:
         with_current_projections(results, found)
-    probe_saves = {
-        r.get("arm"): (r.get("figures") or {}).get("checkpoint_s")
-        for _, _, r in found
-        if r["stage"] == "probe"
-    }
+    probes = {r.get("arm"): r for _, _, r in found if r["stage"] == "probe"}
+    probe_saves = {arm: (r.get("figures") or {}).get("checkpoint_s") for arm, r in probes.items()}
     for label, path, receipt in found:
         lines.append(f"  {label}  ({path.relative_to(results)})")
-        rows = phase_rows(receipt)
+        rows = phase_rows(receipt) + run_rows(receipt, probes.get(receipt.get("arm")))
         outside += sum("outside goal" in row for row in rows)
         lines += rows
         lines += checkpoint_rows(receipt, probe_saves.get(receipt.get("arm")))

@@ -64,6 +64,14 @@ def test_every_model_loading_receipt_sets_each_phase_beside_its_projection(finis
     train = receipts["dpo"]["phases"]["train"]
     assert train["projected_wall_s"] == receipts["probe"]["figures"]["projected_wall_s"]
     assert train["wall_ratio"] == train["wall_s"] / train["projected_wall_s"]
+    # Each run records its own wall clock and steps, which projections.py sets against its
+    # share of the probe's projection; the job's limit covers the first run and a rerun.
+    (run,) = receipts["dpo"]["figures"]["tripwire"]["runs"]
+    assert run["summary"]["fit_steps"] == run["summary"]["steps"] > 0
+    assert 0 < run["summary"]["fit_wall_s"] <= train["wall_s"]
+    probe = receipts["probe"]["figures"]
+    assert probe["runs_covered"] == 2
+    assert probe["projected_job_wall_s"] == 2 * probe["projected_wall_s"]
     # The default saves no periodic checkpoint; the probe times the one it saves.
     assert receipts["dpo"]["figures"]["training"]["checkpoint_save_s"] == []
     assert receipts["probe"]["figures"]["checkpoint_s"] > 0
@@ -84,6 +92,10 @@ def test_projections_benchmark_reads_back_every_phase(finished_workflow, mode):
     for label in ("dpo:steppairs", "select_arms"):
         assert f"  {label}  (" in run.stdout, label
     assert run.stdout.count(" MiB = ") >= 2 + 2 + 2 + 2 + 2 * 2 + 2 * 4 + 2
+    assert (
+        len(re.findall(r"(?m)^    run first  \d+ steps, wall .* s/step \(probe median", run.stdout))
+        == 2
+    )
     assert "figure(s) outside the goals" in run.stdout
 
 

@@ -202,6 +202,8 @@ def probe_receipt(step_times: list[float]) -> dict:
     figures = {
         "median_step_s": statistics.median(step_times),
         "projected_wall_s": 60.0,
+        "projected_job_wall_s": 120.0,
+        "horizon_steps": 20,
         "peak_rss_mb": 1200.0,
         "step_times": step_times,
     }

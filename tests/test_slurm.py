@@ -475,7 +475,7 @@ def test_dpo_memory_and_time_follow_the_receipts_and_scale_with_the_attempt(slur
     # The fullest node: the projection, or the probe's measured peak shared by two nodes.
     rss = max(probe["projection"]["node_mb"], probe["figures"]["peak_rss_mb"] / 2)
     reserve = JOB_RESOURCES["startup_s"] + probe["figures"]["checkpoint_s"]
-    projected = probe["figures"]["projected_wall_s"] * JOB_RESOURCES["runtime_margin"]
+    projected = probe["figures"]["projected_job_wall_s"] * JOB_RESOURCES["runtime_margin"]
     runtime = math.ceil((projected + reserve) / 60)
     attempts = slurm_run.of_rule("dpo")
     assert len(attempts) == 3, attempts

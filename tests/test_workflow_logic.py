@@ -56,6 +56,8 @@ PROBE = ProbeReceipt.of(
             "median_step_s": 2.2,
             "checkpoint_s": 3.5,
             "projected_wall_s": 600.0,
+            "projected_job_wall_s": 1200.0,
+            "horizon_steps": 40,
             "peak_rss_mb": 3000.0,
         },
         "projection": {"node_mb": 1400.0, "nodes": 2},
@@ -92,10 +94,31 @@ def test_a_fractional_exit_grace_still_gives_slurm_whole_seconds():
     assert isinstance(grace.stop_window_s(None), int)
 
 
-def test_the_probe_runtime_is_its_projection_with_margin_and_reserve_per_attempt():
-    # (600 x 1.5 + 60 + 3.5) / 60 = 16.06 -> 17 minutes, doubled on the second attempt.
-    assert JOB.probe_runtime(PROBE, 1) == 17
-    assert JOB.probe_runtime(PROBE, 2) == 34
+def test_the_probe_runtime_is_its_worst_case_projection_with_margin_and_reserve_per_attempt():
+    # Two runs (a wire armed): (1200 x 1.5 + 60 + 3.5) / 60 = 31.06 -> 32 minutes, doubled
+    # on the second attempt.
+    assert JOB.probe_runtime(PROBE, 1) == 32
+    assert JOB.probe_runtime(PROBE, 2) == 64
+    one_run = dataclasses.replace(PROBE, projected_job_wall_s=600.0)
+    assert JOB.probe_runtime(one_run, 1) == 17
+
+
+def test_a_wire_that_fires_at_the_last_step_leaves_the_rerun_its_whole_horizon_in_time():
+    """The dpo job's limit covered one run: a late alarm sent the rerun past it."""
+    from align.train.probes import Beside, probe_figures, run_projection_s, worst_case_runs
+
+    assert worst_case_runs(["collapse", "length"]) == 2 and worst_case_runs([]) == 1
+    beside = Beside(checkpoint_s=5.0, checkpoint_every=10, generation_s=None, generation_every=1)
+    figures = probe_figures([2.0, 1.0, 1.0], [1.0] * 3, 3, [100] * 20, 1.0, [], None, beside, 2)
+    one_run = 20 * 1.0 + 2 * 5.0
+    assert figures["projected_wall_s"] == one_run
+    assert figures["projected_job_wall_s"] == 2 * one_run and figures["runs_covered"] == 2
+    # The first run to its last step, then the whole rerun, inside the job's projection.
+    assert (
+        run_projection_s(one_run, 20, 20) + run_projection_s(one_run, 20, 20)
+        <= (figures["projected_job_wall_s"])
+    )
+    assert run_projection_s(one_run, 5, 20) == one_run / 4
 
 
 def test_the_trainer_budget_is_the_time_limit_less_the_reserve_capped_on_a_first_attempt():

@@ -37,7 +37,7 @@ from align.train.adapters import DpoAdapter
 from align.train.path_bias import TrainingPath
 from align.train.phases import PhaseMeter
 from align.train.precision import describe as describe_precision
-from align.train.probes import Beside, probe_figures
+from align.train.probes import Beside, probe_figures, run_projection_s, worst_case_runs
 from align.train.ref_cache import load_ref_cache
 from align.train.session import build_trainer, export_policy, load_policy, start_session
 from align.train.tripwires import Alarm, Tripwires, describe_alarm
@@ -145,6 +145,7 @@ def run_probe(
         device_peaks,
         projected,
         beside,
+        runs=worst_case_runs(cfg.tripwires.armed_wires()),
     )
     placed = {"precision": model.precision, "devices": list(info.devices)}
     path = TrainingPath.of_model(model, cfg.batch.micro_batch, cfg.batch.layout)
@@ -461,8 +462,11 @@ def run_dpo(cfg: ArmConfig, gated: Probed, stage_started: float) -> tuple[dict[s
     meter = PhaseMeter(cfg.run.device)
     policy = gated.paths.recorded(gated.arm.policy_dir)
     with PhaseStops("dpo", gated.arm.stop_marker, policy) as stops:
+        walls: dict[str, float] = {}  # the projected wall clock of each phase that has one
         if trained is None:
-            trained, final = train_and_export(cfg, gated, meter, stage_started)
+            trained, final, projected_train_s = train_and_export(cfg, gated, meter, stage_started)
+            if projected_train_s > 0:
+                walls["train"] = projected_train_s
             stops.stop_if_requested(EXPORT)
             live = final.session
             info, model = live.info, live.model
@@ -481,8 +485,7 @@ def run_dpo(cfg: ArmConfig, gated: Probed, stage_started: float) -> tuple[dict[s
         "final_config": trained.final_config,
         "held_out": held_out,
         "generation": trained.generation,
-        # The probe projected the training loop's time (its steps, not generation checks).
-        "phases": meter.report(gated.projection.figures, {"train": gated.probe.projected_wall_s}),
+        "phases": meter.report(gated.projection.figures, walls),
     }
     if resumed is not None:
         figures["evaluation_resumed_after"] = resumed
@@ -491,13 +494,16 @@ def run_dpo(cfg: ArmConfig, gated: Probed, stage_started: float) -> tuple[dict[s
 
 def train_and_export(
     cfg: ArmConfig, gated: Probed, meter: PhaseMeter, stage_started: float
-) -> tuple[ArmTrained, TrainingRun]:
+) -> tuple[ArmTrained, TrainingRun, float]:
     """The first run and, after an alarm, the rerun; the result run's policy exported and
-    what training decided recorded beside it."""
+    what training decided recorded beside it; and the projected wall clock of the steps
+    trained here (each run's share of the probe's projection)."""
     first_dir = gated.arm.training_run_dir(FIRST_RUN)
     first = ended_first_run(cfg, first_dir)
+    steps_here: list[int] = []  # each run's steps trained in this process (no session kept)
     if first is None:
         first = _train_once(cfg, gated, first_dir, FIRST_RUN, meter, stage_started)
+        steps_here.append(first.summary["fit_steps"])
         if first.alarms:
             record_ended_run(first, first_dir)
             # The rerun starts again from SFT; one policy stays in memory.
@@ -508,6 +514,7 @@ def train_and_export(
         rerun_dir = gated.arm.training_run_dir(RERUN)
         final = _train_once(final_cfg, gated, rerun_dir, RERUN, meter, stage_started)
         runs.append(final)
+        steps_here.append(final.summary["fit_steps"])
     export_trained(final.session, gated, meter)
     trained = ArmTrained(
         banner=final.banner or first.banner,
@@ -518,7 +525,11 @@ def train_and_export(
         policy_fingerprint=weights_fingerprint(gated.arm.policy_dir),
     )
     trained.write(gated.arm.run_dir)
-    return trained, final
+    probe = gated.probe
+    projected = sum(
+        run_projection_s(probe.projected_wall_s, steps, probe.horizon_steps) for steps in steps_here
+    )
+    return trained, final, projected
 
 
 def export_trained(session: Session, gated: Probed, meter: PhaseMeter) -> None:

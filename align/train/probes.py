@@ -2,6 +2,11 @@
 measured peaks, and the wall-clock they project for the whole training run: its steps, its
 checkpoint saves and its generation checks.
 
+The dpo job's time limit covers its pre-registered worst case: with any wire armed, the
+first run can go to its last step before a wire fires and the rerun then trains the whole
+horizon again, so the job is projected two runs (`worst_case_runs`). A run ended early
+is set against its share of one run's projection (`run_projection_s`).
+
 The memory the probe measures is set against the preflight's projections
 (align.train.memory): peak RSS of the job, and each rank's device peak against the
 projected allocator share of one GPU.
@@ -59,6 +64,9 @@ class ProbeReceipt:
     nodes: int
     topology: dict[str, int]
     training_path: dict[str, Any] | None
+    # The job's worst case: `worst_case_runs` runs, each to the horizon.
+    projected_job_wall_s: float = 0.0
+    horizon_steps: int = 0
     # Every timed step's seconds, in order (the first pays for warm-up).
     step_times: tuple[float, ...] = ()
 
@@ -74,6 +82,8 @@ class ProbeReceipt:
             nodes=projection["nodes"],
             topology=receipt.get("topology", {}),
             training_path=figures.get("training_path"),
+            projected_job_wall_s=figures["projected_job_wall_s"],
+            horizon_steps=figures["horizon_steps"],
             step_times=tuple(figures.get("step_times", ())),
         )
 
@@ -88,6 +98,18 @@ class ProbeReceipt:
         return self.peak_rss_mb / self.nodes
 
 
+def worst_case_runs(armed_wires: list[str]) -> int:
+    """Runs a dpo job may train to their horizon: two where a wire can fire (the first run
+    at its last step, then the rerun), one where none is armed."""
+    return 2 if armed_wires else 1
+
+
+def run_projection_s(projected_wall_s: float, steps: int, horizon_steps: int) -> float:
+    """One run's projected wall clock for the `steps` it trained: its share of the whole
+    run's projection (a run a wire ended, or an attempt that resumed, trains fewer)."""
+    return projected_wall_s * (steps / horizon_steps)
+
+
 def probe_figures(
     step_times: list[float],
     tokens_per_s: list[float],
@@ -97,12 +119,14 @@ def probe_figures(
     device_peaks_mb: list[float],
     projected_device_mb: float | None,
     beside: Beside | None = None,
+    runs: int = 1,
 ) -> dict[str, Any]:
     """The measured steps' time per computed position, and the wall-clock it projects for
     the run: every step of the horizon as long as the positions its batches compute
     (`step_tokens`, padding included: rows vary in length, and a step's time with them),
     and what the run does beside its steps; the largest rank's device peak
-    (torch.cuda.max_memory_allocated), every rank's, and the largest over the projection."""
+    (torch.cuda.max_memory_allocated), every rank's, and the largest over the projection;
+    and the job's wall clock for `runs` runs to the horizon (`worst_case_runs`)."""
     if not step_times:
         raise ValueError("the probe ran no optimizer step: nothing was measured")
     # The first step pays one-off costs (allocator warm-up, lazy init); it is not typical.
@@ -110,6 +134,7 @@ def probe_figures(
     per_token = statistics.median(step_times[k] / step_tokens[k] for k in typical)
     horizon_steps = len(step_tokens)
     steps_s = per_token * sum(step_tokens)
+    wall_s = steps_s + (beside.seconds(horizon_steps) if beside else 0.0)
     return {
         "steps_measured": len(step_times),
         "micro_steps": micro_steps,
@@ -130,5 +155,7 @@ def probe_figures(
         **(beside.count(horizon_steps) if beside else {}),
         "generation_check_s": beside.generation_s if beside else None,
         "projected_steps_s": steps_s,
-        "projected_wall_s": steps_s + (beside.seconds(horizon_steps) if beside else 0.0),
+        "projected_wall_s": wall_s,
+        "runs_covered": runs,
+        "projected_job_wall_s": wall_s * runs,
     }

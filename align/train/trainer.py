@@ -111,6 +111,7 @@ class Trainer:
         self.log = stage_logger(stage)
         # The probe's projection of the whole run, shown beside the progress line's ETA.
         self.projected_wall_s = projected_wall_s
+        self.fit_wall_s, self.fit_steps = 0.0, 0
         self.optimizer, self.scheduler, self.grad_clip = optimizer, scheduler, grad_clip
         self.run_dir, self.stage, self.info = Path(run_dir), stage, info
         self.checkpoints = CheckpointManager(self.run_dir, info, cfg.keep_checkpoints)
@@ -223,6 +224,7 @@ class Trainer:
         self.rank_state = rank_state
         self.prepare()
         self.stop.install()
+        started, first_step = time.monotonic(), self.state.step
         total = len(self.source)
         bar = tqdm(
             total=total,
@@ -264,6 +266,8 @@ class Trainer:
         finally:
             bar.close()
             self.stop.uninstall()
+            self.fit_wall_s += time.monotonic() - started
+            self.fit_steps += self.state.step - first_step
         return self.summary()
 
     def _capped(self) -> bool:
@@ -321,6 +325,9 @@ class Trainer:
             "horizon_steps": len(self.source),
             "micro_steps": self.state.micro_step,
             "skipped_steps": self.state.skipped_steps,
+            # This process's fit: its wall clock and the steps it trained (a resume's own).
+            "fit_wall_s": round(self.fit_wall_s, 3),
+            "fit_steps": self.fit_steps,
             "resumed_from": self.resumed_from,
             "resumed_after": self.resumed_after,
             "checkpoint_save_s": [round(s, 3) for s in self.checkpoints.save_s],

@@ -82,9 +82,10 @@ class JobResources:
         return self.startup_s + self.checkpoint_s_of(probe)
 
     def probe_runtime(self, probe: ProbeReceipt, attempt: int) -> int:
-        """Minutes: the probe's projected wall clock with its margin, the reserve, the
-        attempt."""
-        projected = probe.projected_wall_s * self.runtime_margin
+        """Minutes: the probe's projected wall clock of the job's worst case (the first run
+        to its last step and the rerun, where a wire is armed) with its margin, the
+        reserve, the attempt."""
+        projected = probe.projected_job_wall_s * self.runtime_margin
         return math.ceil((projected + self.stop_reserve_s(probe)) / 60) * attempt
 
 
