@@ -206,7 +206,7 @@ def run_rows(receipt: dict, probe: dict | None) -> list[str]:
     """Each training run of a dpo receipt (the first, and a rerun after an alarm): its wall
     clock over its own projection (its steps' share of the probe's), and its time per step
     beside the probe's median."""
-    runs = ((receipt.get("figures") or {}).get("tripwire") or {}).get("runs") or []
+    runs = (receipt.get("tripwire") or {}).get("runs") or []
     if receipt["stage"] != "dpo" or probe is None or not runs:
         return []
     from align.train.probes import ProbeReceipt, run_projection_s
