@@ -35,7 +35,7 @@ def stage_args(receipt: dict, stage: str) -> list[str]:
 
 
 # What two trainings of the same steps differ in: how long each step and save took.
-TIMINGS = ("step_time_s", "tokens_per_s", "checkpoint_save_s", "checkpoint_load_s")
+TIMINGS = ("step_time_s", "tokens_per_s", "checkpoint_save_s", "checkpoint_load_s", "fit_wall_s")
 
 
 def without_timings(value):
