@@ -141,11 +141,18 @@ def tokenize_pairs(
     return out
 
 
-def tokenize_sft(prompts: Sequence[str], responses: Sequence[str], tokenizer, seq_len: int):
-    """SFT rows as (ids, prompt_len) with the response cut from the right to fit seq_len."""
+def tokenize_sft(
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    tokenizer,
+    seq_len: int,
+    texts: Sequence[str] | None = None,
+):
+    """SFT rows as (ids, prompt_len) with the response cut from the right to fit seq_len;
+    `texts` are the prompts as rendered already, where the caller rendered them."""
     renderer = PromptRenderer(tokenizer)
     records = [PreferenceRecord(p, "", "", "sft", i) for i, p in enumerate(prompts, start=1)]
-    p_ids = renderer.ids(records)
+    p_ids = renderer.ids(records, texts)
     r_ids = tokenizer.encode_batch(list(responses))
     rows = []
     for p, r in zip(p_ids, r_ids, strict=True):
